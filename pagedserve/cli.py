@@ -1,0 +1,106 @@
+"""`pagedserve` command line: generate, chat, serve, kv (and bench / trace as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedserve.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    if positional_model:
+        p.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: bundled)")
+    else:
+        p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: bundled)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", default="batched", choices=["batched", "torch_ref"])
+    p.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    values = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="stream a continuation of one or more prompts")
+    p.add_argument("prompts", nargs="+", help="prompt text(s)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_kv(sub) -> None:
+    p = sub.add_parser("kv", help="KV-cache arithmetic: bytes per block, blocks and tokens that fit")
+    p.add_argument("--model", default=None, help="read the numbers from a model (default: bundled, if no numbers)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float16", help="KV element type: float32, float16, bfloat16, fp8")
+    p.add_argument("--memory-gb", type=float, default=None, help="KV memory to plan for")
+    p.add_argument("--request-len", type=int, default=None, help="tokens per request, for the concurrency line")
+    p.set_defaults(func=cmd_kv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference engine with a paged KV cache")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_kv(sub)
+    for module, name in (("pagedserve.server.cli_commands", "register"), ("pagedserve.bench", "register"),
+                         ("pagedserve.trace_report", "register")):
+        try:
+            mod = __import__(module, fromlist=[name])
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        getattr(mod, name)(sub, add_engine_args, engine_config_from_args)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve.generate_cli import run_generate
+
+    return run_generate(args, engine_config_from_args(args))
+
+
+def cmd_kv(args: argparse.Namespace) -> int:
+    from pagedserve.kv_cli import run_kv
+
+    return run_kv(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

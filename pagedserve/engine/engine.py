@@ -1,0 +1,289 @@
+"""LLMEngine: schedule → run the model → sample → update, one step at a time.
+
+Requests join and leave the batch between steps (continuous batching). Every step appends a
+StepRecord; every request that advanced gets a RequestOutput.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from pagedserve.attention.backend import get_backend
+from pagedserve.config import EngineConfig, default_kv_cache_bytes, usable_cores
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_math import bytes_per_block, capacity, human_bytes
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.engine.output_processor import OutputProcessor, ParentState
+from pagedserve.engine.trace import StepRecord
+from pagedserve.model.loader import load_model, resolve_dtype
+from pagedserve.outputs import RequestMetrics, RequestOutput
+from pagedserve.sampling.sampler import Sampler
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import Tokenizer
+from pagedserve.worker.kv_cache import allocate_kv_cache
+from pagedserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedserve")
+
+Prompt = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or usable_cores())
+        self.dtype = resolve_dtype(config.dtype)
+        loaded = load_model(config.model, self.dtype, config.device)
+        self.model_config = loaded.config
+        self.model_path = loaded.path
+        self.served_model_name = config.served_model_name or loaded.name
+        self.tokenizer = Tokenizer(loaded.path)
+        cfg = loaded.config
+        self.max_model_len = self._max_model_len(config.max_model_len)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.block_bytes = bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, elem)
+        num_blocks = self._num_blocks()
+        cap = capacity(self.block_bytes, num_blocks * self.block_bytes, config.block_size)
+        logger.info(
+            "KV cache: %d blocks × %s = %s, %d tokens; %d concurrent requests of max_model_len %d fit",
+            num_blocks, human_bytes(self.block_bytes), human_bytes(num_blocks * self.block_bytes),
+            cap.num_tokens, cap.max_concurrency(self.max_model_len), self.max_model_len,
+        )
+        self.kv_caches = allocate_kv_cache(cfg, num_blocks, config.block_size, self.dtype, config.device)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
+            self.kv_manager,
+        )
+        self.runner = ModelRunner(
+            loaded.model, self.kv_caches, get_backend(config.attention_backend), config.block_size, config.device
+        )
+        self.sampler = Sampler(config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.parents: dict[str, ParentState] = {}
+        self.sample_to_parent: dict[str, ParentState] = {}
+        self.step_records: deque[StepRecord] = deque(maxlen=100_000)
+        self.step_count = 0
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        # Running totals (metrics read these).
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_computed_prefill_tokens = 0
+        self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+
+    # ---- sizing ----------------------------------------------------------------------------------
+    def _max_model_len(self, requested: int | None) -> int:
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:  # attention is full here, so stay where that equals the model's own
+            limit = min(limit, cfg.sliding_window)
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(f"max_model_len: {requested} exceeds the model's context length ({limit})")
+        return requested
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        budget = c.kv_cache_memory_gb * 1024**3 if c.kv_cache_memory_gb else default_kv_cache_bytes()
+        n = int(budget // self.block_bytes)
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_memory_gb: {budget / 1024**3:.4f} GiB holds no block of {human_bytes(self.block_bytes)}"
+            )
+        return n
+
+    # ---- requests --------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                return prompt.get("prompt"), self._check_ids(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, self._check_ids(list(prompt))
+        raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids) -> list[int]:
+        if not isinstance(ids, list | tuple) or not ids:
+            raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {vocab})")
+        return list(ids)
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.parents:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if max_tokens < 1:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len ({self.max_model_len})"
+            )
+        self.scheduler.check_fits(len(ids), max_tokens)
+        now = arrival_time or time.time()
+        parent = ParentState(request_id, text, ids, [], RequestMetrics(arrival_time=now))
+        for i in range(params.n):
+            sp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, ids, sp, self.eos_token_ids, max_tokens, now, request_id, i)
+            parent.samples.append(self.output_processor.new_sample(req))
+            self.sample_to_parent[rid] = parent
+            self.scheduler.add_request(req)
+        self.parents[request_id] = parent
+        self.num_prompt_tokens += len(ids)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort requests in any state; their blocks are freed at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for rid in ids:
+            parent = self.parents.get(rid)
+            if parent is None:
+                continue
+            for s in parent.samples:
+                self._finish(s.request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self.output_processor.make_output(parent))
+            self._drop(parent)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        pool = self.kv_manager.pool
+        pool.num_allocated = pool.num_freed = pool.num_evicted = 0
+        q0, h0 = self.kv_manager.prefix_queries, self.kv_manager.prefix_hits
+        start = time.time()
+        sched = self.scheduler.schedule()
+        touched: dict[str, ParentState] = {}
+        finished: dict[str, str] = {}
+        if not sched.is_empty:
+            self._run(sched, touched, finished, start)
+        self.num_preemptions += len(sched.preempted)
+        self._record(sched, start, finished, q0, h0)
+        outputs = []
+        for parent in touched.values():
+            outputs.append(self.output_processor.make_output(parent))
+            if parent.finished:
+                self._drop(parent)
+        return outputs
+
+    def _run(self, sched: SchedulerOutput, touched: dict, finished: dict, start: float) -> None:
+        for s in sched.scheduled:
+            parent = self.sample_to_parent[s.request_id]
+            if parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = start
+            if s.is_prefill:
+                self.num_computed_prefill_tokens += len(s.token_ids)
+        try:
+            logits, rows = self.runner.execute(sched)
+            sampling = [self.scheduler.requests[sched.scheduled[r].request_id] for r in rows]
+            result = self.sampler(logits, sampling) if rows else None
+        except Exception as e:  # a broken batch fails its requests, never the engine loop
+            logger.exception("model step failed; aborting the %d requests in it", len(sched.scheduled))
+            for s in sched.scheduled:
+                parent = self.sample_to_parent[s.request_id]
+                parent.error = f"engine error: {e}"
+                for sample in parent.samples:
+                    self._finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                touched[parent.request_id] = parent
+            return
+        sampled = {req.request_id: tok for req, tok in zip(sampling, result.token_ids, strict=True)} if rows else {}
+        done = self.scheduler.update(sched, sampled)
+        now = time.time()
+        for i, req in enumerate(sampling):
+            parent = self.sample_to_parent[req.request_id]
+            touched[parent.request_id] = parent
+            self._on_token(parent, req, result.token_ids[i], result.logprobs[i], now)
+        for req in done + [r for r in sampling if r.is_finished and r not in done]:
+            self._count_finish(req, finished)
+
+    def _on_token(self, parent: ParentState, req: Request, token: int, logprob, now: float) -> None:
+        self.num_generation_tokens += 1
+        if parent.metrics.first_token_time is None:
+            parent.metrics.first_token_time = now
+        parent.metrics.last_token_time = now
+        sample = parent.samples[req.index]
+        try:
+            stop = self.output_processor.on_token(sample, token, logprob)
+        except Exception as e:  # e.g. a tokenizer failure: this request ends, the others go on
+            logger.exception("output processing failed for %s", req.request_id)
+            parent.error = f"output processing failed: {e}"
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            return
+        if stop is not None and not req.is_finished:
+            req.stop_reason = stop
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+
+    def _count_finish(self, req: Request, finished: dict) -> None:
+        reason = req.status.finish_reason or "abort"
+        finished[req.request_id] = reason
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+
+    def _drop(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for s in parent.samples:
+            self.sample_to_parent.pop(s.request.request_id, None)
+
+    def _record(self, sched: SchedulerOutput, start: float, finished: dict, q0: int, h0: int) -> None:
+        pool = self.kv_manager.pool
+        cached_free = pool.num_cached_free_blocks
+        keep = self.config.keep_block_tables
+        rec = StepRecord(
+            step=self.step_count,
+            start_time=start,
+            duration_s=time.time() - start,
+            token_budget=self.config.max_num_batched_tokens,
+            num_scheduled_tokens=sched.num_scheduled_tokens,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            scheduled={s.request_id: len(s.token_ids) for s in sched.scheduled},
+            prefill_requests=[s.request_id for s in sched.scheduled if s.is_prefill],
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            blocks_allocated=pool.num_allocated,
+            blocks_freed=pool.num_freed,
+            blocks_evicted=pool.num_evicted,
+            num_used_blocks=pool.num_used_blocks,
+            num_cached_free_blocks=cached_free,
+            num_free_blocks=pool.num_free_blocks - cached_free,
+            preempted=list(sched.preempted),
+            finished=finished,
+            prefix_cache_queries=self.kv_manager.prefix_queries - q0,
+            prefix_cache_hits=self.kv_manager.prefix_hits - h0,
+            block_tables={s.request_id: list(s.block_table) for s in sched.scheduled} if keep else None,
+        )
+        self.step_records.append(rec)
+        self.step_count += 1

@@ -1,0 +1,95 @@
+"""Per-request output state: detokenizing, stop strings, logprobs, timings → RequestOutput."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.core.request import Request
+from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class SampleState:
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class ParentState:
+    """One user request; n > 1 fans out into n sequences that share the prompt's KV blocks."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def new_sample(self, request: Request) -> SampleState:
+        p = request.sampling_params
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, p.stop_strings, p.include_stop_str_in_output,
+            p.skip_special_tokens,
+        )
+        return SampleState(request, detok, [] if p.logprobs is not None else None)
+
+    def on_token(self, sample: SampleState, token_id: int, logprob) -> str | None:
+        """Record one new token; returns a stop string if the text hit one."""
+        if logprob is not None and sample.logprobs is not None:
+            chosen, rank, top_ids, top_vals = logprob
+            entry = {token_id: Logprob(chosen, rank, self.tokenizer.id_to_piece(token_id))}
+            for r, (tid, val) in enumerate(zip(top_ids, top_vals, strict=True), start=1):
+                entry.setdefault(tid, Logprob(val, r, self.tokenizer.id_to_piece(tid)))
+            sample.logprobs.append(entry)
+            sample.cumulative_logprob += chosen
+        eos = sample.request.eos_token_ids
+        p = sample.request.sampling_params
+        if token_id in eos and not p.ignore_eos:
+            return None  # the EOS token itself adds no text
+        return sample.detok.add_token(token_id)
+
+    @staticmethod
+    def make_output(parent: ParentState) -> RequestOutput:
+        outputs = []
+        for s in parent.samples:
+            req = s.request
+            outputs.append(
+                CompletionOutput(
+                    index=req.index,
+                    text=s.detok.visible_text(req.is_finished),
+                    token_ids=list(req.output_token_ids),
+                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                    logprobs=s.logprobs,
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            )
+        finished = parent.finished
+        if finished and parent.metrics.finished_time is None:
+            parent.metrics.finished_time = time.time()
+        cached = max((s.request.num_cached_tokens for s in parent.samples), default=0)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=parent.metrics,
+            num_cached_tokens=max(cached, 0),
+            error=parent.error,
+            extra=parent.extra,
+        )
