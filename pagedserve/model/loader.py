@@ -7,6 +7,7 @@ come from the GGUF metadata through transformers' GGUF support (cached after the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -96,9 +97,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
     elif path.endswith(".gguf"):
-        reader = _gguf_reader(path)
-        cfg = gguf_config(reader)
-        weights = iter_gguf_tensors(reader, cfg)
+        cfg, weights = _dequantized_gguf(path, os.stat(path).st_mtime_ns)
     else:
         raise ValueError(f"model: {path!r} is neither a directory with config.json nor a .gguf file")
     with torch.device("meta"):
@@ -246,6 +245,15 @@ def dequantize_gguf_tensor(tensor) -> torch.Tensor:
     shape = tuple(int(d) for d in reversed(tensor.shape))
     data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     return torch.from_numpy(data.reshape(shape).astype("float32"))
+
+
+@functools.lru_cache(maxsize=1)
+def _dequantized_gguf(path: str, mtime_ns: int) -> tuple[ModelConfig, tuple[tuple[str, torch.Tensor], ...]]:
+    """Dequantizing is the slow part of loading a GGUF; keep the last file's float32 weights so
+    several engines in one process (tests, benchmarks) pay for it once. Weights are copied out."""
+    reader = _gguf_reader(path)
+    cfg = gguf_config(reader)
+    return cfg, tuple(iter_gguf_tensors(reader, cfg))
 
 
 def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
