@@ -42,6 +42,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--explain", action="store_true",
+                   help="show one prompt's journey: tokens, blocks, each step's decision, top-5 candidates")
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -78,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.explain:
+        from pagedserve.explain import run_explain
+
+        return run_explain(args, engine_config_from_args(args, keep_block_tables=True))
     from pagedserve.generate_cli import run_generate
 
     return run_generate(args, engine_config_from_args(args))

@@ -1,0 +1,145 @@
+"""Prometheus metrics with vLLM's names under the `pagedserve:` prefix (units: seconds).
+
+Gauges and counters are read from the engine when /metrics is scraped (a custom collector), so the
+engine keeps plain integer counters and knows nothing about Prometheus. Latency histograms are fed by
+the async engine's loop as tokens arrive. Each server app owns its own CollectorRegistry, so tests can
+build several apps in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from pagedserve.engine.engine import LLMEngine
+    from pagedserve.outputs import RequestOutput
+
+logger = logging.getLogger("pagedserve")
+
+PREFIX = "pagedserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Reads the engine's running totals at scrape time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        sched, kv = e.scheduler, e.kv_manager
+        name = e.served_model_name
+        labels = ["model_name"]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + metric, doc, labels=labels)
+            g.add_metric([name], value)
+            return g
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + metric, doc, labels=labels)
+            c.add_metric([name], value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", kv.pool.usage())
+        yield counter("num_preemptions", "Preemptions (recompute) so far.", e.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens received.", e.num_prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", e.num_generation_tokens)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      kv.prefix_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits)
+        success = CounterMetricFamily(
+            PREFIX + "request_success", "Finished requests by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in sorted(e.finished_by_reason.items()):
+            success.add_metric([name, reason], count)
+        yield success
+
+
+class EngineMetrics:
+    def __init__(self, engine: LLMEngine, registry: CollectorRegistry | None = None) -> None:
+        self.engine = engine
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        labels = ["model_name"]
+        self.model_name = engine.served_model_name
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(
+                self.model_name
+            )
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Time per output token (same as ITL).", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS)
+        self._last: dict[str, tuple[float, int]] = {}  # request id → (last token time, tokens seen)
+        self._log_state = self._snapshot(time.monotonic())
+
+    # ---- fed by the async engine loop (one thread) -----------------------------------------------
+    def observe(self, out: RequestOutput, now: float | None = None) -> None:
+        """Record latencies for one RequestOutput (all of its n samples together)."""
+        now = time.time() if now is None else now
+        m = out.metrics
+        num_tokens = sum(len(o.token_ids) for o in out.outputs)
+        prev = self._last.get(out.request_id)
+        if prev is None:
+            if num_tokens and m is not None and m.first_token_time is not None:
+                self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                self._last[out.request_id] = (now, num_tokens)
+        elif num_tokens > prev[1]:
+            per_token = (now - prev[0]) / (num_tokens - prev[1])
+            for _ in range(num_tokens - prev[1]):
+                self.itl.observe(per_token)
+                self.tpot.observe(per_token)
+            self._last[out.request_id] = (now, num_tokens)
+        if out.finished:
+            self._last.pop(out.request_id, None)
+            if m is not None:
+                self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+
+    def forget(self, request_id: str) -> None:
+        self._last.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- the periodic one-line log ---------------------------------------------------------------
+    def _snapshot(self, t: float) -> tuple[float, int, int, int, int]:
+        e, kv = self.engine, self.engine.kv_manager
+        return (t, e.num_computed_prefill_tokens, e.num_generation_tokens, kv.prefix_queries, kv.prefix_hits)
+
+    def log_stats(self, now: float | None = None) -> str:
+        now = time.monotonic() if now is None else now
+        t0, p0, g0, q0, h0 = self._log_state
+        t1, p1, g1, q1, h1 = self._log_state = self._snapshot(now)
+        dt = max(t1 - t0, 1e-9)
+        e = self.engine
+        hit = 100.0 * (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+        line = (
+            f"Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, Avg generation throughput: "
+            f"{(g1 - g0) / dt:.1f} tokens/s, Running: {len(e.scheduler.running)} reqs, Waiting: "
+            f"{len(e.scheduler.waiting)} reqs, KV cache usage: {100 * e.kv_manager.pool.usage():.1f}%, "
+            f"Prefix cache hit rate: {hit:.1f}%"
+        )
+        logger.info(line)
+        return line

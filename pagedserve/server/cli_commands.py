@@ -1,0 +1,72 @@
+"""`pagedserve serve` (the OpenAI-compatible server) and `pagedserve chat` (terminal chat)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+
+logger = logging.getLogger("pagedserve")
+
+
+def register(sub, add_engine_args, engine_config_from_args) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY; "
+                        "/health stays open)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: from the model)")
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between stats log lines while busy")
+    add_engine_args(p, positional_model=True)
+    p.set_defaults(func=lambda args: cmd_serve(args, engine_config_from_args(args)))
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal (streams; /exit to quit)")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-p", type=float, default=0.95)
+    add_engine_args(c, positional_model=True)
+    c.set_defaults(func=lambda args: cmd_chat(args, engine_config_from_args(args)))
+
+
+def cmd_serve(args: argparse.Namespace, config) -> int:
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.engine.engine import LLMEngine
+    from pagedserve.metrics import EngineMetrics
+    from pagedserve.server.api_server import build_app
+
+    engine = LLMEngine(config)
+    aengine = AsyncLLMEngine(engine, args.log_interval, EngineMetrics(engine))
+    app = build_app(engine, api_key=args.api_key, async_engine=aengine)
+    server = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5),
+        aengine,
+    )
+    logger.info("serving %s on http://%s:%d/v1", engine.served_model_name, args.host, args.port)
+    server.run()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace, config) -> int:
+    from pagedserve.chat_cli import run_chat
+
+    return run_chat(args, config)
+
+
+class GracefulServer(uvicorn.Server):
+    """On SIGINT/SIGTERM: abort in-flight requests at once (their streams end with finish_reason 'abort'),
+    let uvicorn close, and exit 0 instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, async_engine) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.async_engine.request_stop()
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
