@@ -62,7 +62,10 @@ def run_throughput(args, config) -> dict:
     prompts = _load_prompts(args)
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-    llm.generate([inputs[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    warm = {"prompt_token_ids": random_prompts(1, 16, args.seed + 1)[0]}
+    llm.generate([warm], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    llm.engine.kv_manager.pool.reset_prefix_cache()
+    llm.engine.num_computed_prefill_tokens = llm.engine.kv_manager.prefix_hits = 0
     start = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
