@@ -55,6 +55,7 @@ def run_explain(args: argparse.Namespace, config: EngineConfig) -> int:
     engine.add_request(REQUEST_ID, prompt, params)
     ids = prompt["prompt_token_ids"]
     bs = engine.config.block_size
+    max_tokens = engine.scheduler.requests[REQUEST_ID].max_tokens
 
     console.rule("[bold]1. Tokenize")
     console.print(f"Prompt: {len(ids)} tokens" + ("" if args.raw or not tok.has_chat_template
@@ -62,12 +63,12 @@ def run_explain(args: argparse.Namespace, config: EngineConfig) -> int:
     console.print(_token_table(engine, ids))
 
     console.rule("[bold]2. KV cache")
-    blocks_needed = engine.kv_manager.blocks_needed(len(ids) + engine.scheduler.requests[REQUEST_ID].max_tokens)
+    blocks_needed = engine.kv_manager.blocks_needed(len(ids) + max_tokens)
     console.print(
         f"block_size {bs} tokens; {engine.kv_manager.num_blocks} blocks of "
         f"{engine.block_bytes} bytes each in the pool; this prompt needs "
         f"{engine.kv_manager.blocks_needed(len(ids))} blocks, at most {blocks_needed} with max_tokens "
-        f"{engine.scheduler.requests[REQUEST_ID].max_tokens}."
+        f"{max_tokens}."
     )
 
     console.rule("[bold]3. Steps (schedule → model → sample)")
@@ -119,7 +120,7 @@ def run_explain(args: argparse.Namespace, config: EngineConfig) -> int:
                   "token is never fed back); freed when the request finished:")
     for r in block_ranges(table, total - 1, bs):
         console.print(f"  {r}")
-    console.print(f"Stop reason: {_stop_reason(engine, final)}")
+    console.print(f"Stop reason: {_stop_reason(engine, final, max_tokens)}")
     return 0
 
 
@@ -137,7 +138,7 @@ def _token_table(engine: LLMEngine, ids: list[int]) -> Table:
     t.add_column("pos", justify="right")
     t.add_column("id", justify="right")
     t.add_column("piece")
-    t.add_column("block", justify="right")
+    t.add_column("logical block", justify="right")
     bs = engine.config.block_size
     shown = range(len(ids))
     if len(ids) > MAX_TOKENS_SHOWN:
@@ -147,7 +148,7 @@ def _token_table(engine: LLMEngine, ids: list[int]) -> Table:
         if i < 0:
             t.add_row("…", "", f"({len(ids) - MAX_TOKENS_SHOWN} more)", "")
             continue
-        t.add_row(str(i), str(ids[i]), piece(engine.tokenizer.id_to_piece(ids[i])), f"logical {i // bs}")
+        t.add_row(str(i), str(ids[i]), piece(engine.tokenizer.id_to_piece(ids[i])), str(i // bs))
     return t
 
 
@@ -168,12 +169,13 @@ def _candidates_table(entry: dict, chosen: int, index: int) -> Table:
     return t
 
 
-def _stop_reason(engine: LLMEngine, out: RequestOutput) -> str:
+def _stop_reason(engine: LLMEngine, out: RequestOutput, max_tokens: int) -> str:
     comp = out.outputs[0]
     reason = comp.finish_reason
     if reason == "length":
-        req_max = len(comp.token_ids)
-        return f"length (max_tokens: {req_max} tokens generated, or max_model_len reached)"
+        if len(comp.token_ids) >= max_tokens:
+            return f"length (max_tokens={max_tokens} reached)"
+        return f"length (max_model_len={engine.max_model_len} reached)"
     if reason == "stop":
         if isinstance(comp.stop_reason, str):
             return f"stop (stop string {comp.stop_reason!r})"

@@ -92,8 +92,8 @@ def load_prompts_file(path: str, default_params: SamplingParams) -> list[TraceRe
                     raise ValueError(f"prompts: {path}:{lineno}: bad JSON: {e}") from None
                 if "prompt" not in obj:
                     raise ValueError(f"prompts: {path}:{lineno}: a JSON line needs a 'prompt'")
-                overrides = {k: obj[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed")
-                             if k in obj}
+                keys = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+                overrides = {k: obj[k] for k in keys if k in obj}
                 params = default_params.clone(**overrides) if overrides else default_params
                 out.append(TraceRequest(obj["prompt"], params, int(obj.get("arrival_step", 0)),
                                         obj.get("abort_step"), str(obj.get("id", f"req-{len(out):02d}"))))
@@ -197,7 +197,8 @@ def engine_trace_data(engine: LLMEngine, max_steps: int | None = None,
     live = {r.request_id: r for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)}
     for rid, req in live.items():
         if rid not in arrivals:
-            arrivals[rid] = next((r.step for r in recs if r.start_time >= req.arrival_time), engine.step_count)
+            later = (r.step for r in recs if r.start_time >= req.arrival_time)
+            arrivals[rid] = next(later, engine.step_count)
     for r in recs:
         for rid in r.scheduled:
             arrivals[rid] = min(arrivals.get(rid, r.step), r.step)
@@ -326,11 +327,12 @@ def _inline_json(data: dict) -> str:
 def render_html(data: dict, title: str = "pagedserve trace") -> str:
     """One self-contained page: CSS, JS and data inline; no network access needed."""
     page = static_text("trace.html")
+    # The title goes in first: the data and scripts inserted later must not be searched for placeholders.
+    page = page.replace("__TITLE__", title.replace("&", "&amp;").replace("<", "&lt;"))
     parts = {
         "/*__TRACE_CSS__*/": static_text("trace.css"),
         "/*__TRACE_JS__*/": static_text("trace.js"),
         "__TRACE_DATA__": _inline_json(data),
-        "__TITLE__": title.replace("&", "&amp;").replace("<", "&lt;"),
     }
     for key, value in parts.items():
         page = page.replace(key, value, 1)
@@ -344,7 +346,9 @@ def dashboard_html() -> str:
         "/*__TRACE_JS__*/", static_text("trace.js"), 1)
 
 
-def write_report(data: dict, html_path: str, json_path: str | None = None, title: str = "pagedserve trace") -> str:
+def write_report(
+    data: dict, html_path: str, json_path: str | None = None, title: str = "pagedserve trace"
+) -> str:
     json_path = json_path or os.path.splitext(html_path)[0] + ".json"
     with open(json_path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
@@ -358,8 +362,10 @@ def register(sub, add_engine_args, engine_config_from_args) -> None:
     p = sub.add_parser("trace", help="run a workload and write an HTML report of what the engine did")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", default=None, help="file: one prompt per line, or JSON lines")
-    src.add_argument("--demo", action="store_true", help="built-in workload with chunked prefill and preemption")
-    p.add_argument("-o", "--output", default="trace.html", help="HTML report (trace JSON is written beside it)")
+    src.add_argument("--demo", action="store_true",
+                     help="built-in workload with chunked prefill and preemption (the default)")
+    p.add_argument("-o", "--output", default="trace.html",
+                   help="HTML report (the trace JSON is written beside it)")
     p.add_argument("--json", default=None, help="where to write the trace JSON (default: OUTPUT with .json)")
     p.add_argument("--max-tokens", type=int, default=32, help="for --prompts lines without their own")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -390,7 +396,7 @@ def run_trace(args: argparse.Namespace, engine_config_from_args) -> int:
     json_path = write_report(data, args.output, args.json, f"pagedserve trace — {engine.served_model_name}")
     t = data["totals"]
     print(f"{len(workload)} requests, {t['steps']} steps, {t['scheduled_tokens']} tokens computed "
-          f"({t['prefill_tokens']} prefill, {t['decode_tokens']} decode, {t['recomputed_tokens']} recomputed), "
-          f"{t['preemptions']} preemptions", file=sys.stderr)
+          f"({t['prefill_tokens']} prefill, {t['decode_tokens']} decode, "
+          f"{t['recomputed_tokens']} recomputed), {t['preemptions']} preemptions", file=sys.stderr)
     print(f"wrote {args.output} and {json_path}", file=sys.stderr)
     return 0

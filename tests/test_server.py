@@ -50,7 +50,8 @@ def live():
     engine = LLMEngine(EngineConfig(dtype="float32"))
     app = build_app(engine, api_key=API_KEY, log_interval_s=1.0)
     port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=5)
     server = GracefulServer(config, app.state.async_engine)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -116,7 +117,8 @@ def test_completion_and_usage(live):
     r3 = live.client.completions.create(model=live.model, prompt=[ids], max_tokens=8, temperature=0)
     assert r3.choices[0].text == choice.text
 
-    r4 = live.client.completions.create(model=live.model, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    r4 = live.client.completions.create(model=live.model, prompt=prompt, max_tokens=4, temperature=0,
+                                        echo=True)
     assert r4.choices[0].text.startswith(prompt) and choice.text.startswith(r4.choices[0].text[len(prompt):])
 
 
@@ -127,7 +129,8 @@ def test_chat_streamed_and_not(live):
     (choice,) = r.choices
     assert choice.message.role == "assistant" and choice.message.content
     tok = live.engine.tokenizer
-    assert r.usage.prompt_tokens == len(tok.encode(tok.apply_chat_template(messages), add_special_tokens=False))
+    prompt_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.usage.completion_tokens <= 12
 
     stream = live.client.chat.completions.create(
@@ -156,7 +159,8 @@ def test_n_seed_and_stop(live):
     assert [c.message.content for c in c1.choices] == [c.message.content for c in c2.choices]
 
     # A stop string cuts the text before it; finish_reason is "stop".
-    greedy = live.client.completions.create(model=live.model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    greedy = live.client.completions.create(model=live.model, prompt="1, 2, 3, 4,", max_tokens=12,
+                                            temperature=0)
     text = greedy.choices[0].text
     stop = text.strip().split()[1] if len(text.split()) > 1 else text.strip()[:2]
     cut = live.client.completions.create(model=live.model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
@@ -169,8 +173,8 @@ def test_n_seed_and_stop(live):
 
 
 def test_logprobs(live):
-    r = live.client.completions.create(model=live.model, prompt="Hello, my name is", max_tokens=5, temperature=0,
-                                       logprobs=3)
+    r = live.client.completions.create(model=live.model, prompt="Hello, my name is", max_tokens=5,
+                                       temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
@@ -189,7 +193,8 @@ def test_logprobs(live):
     s = live.client.chat.completions.create(model=live.model, messages=[{"role": "user", "content": "Hi!"}],
                                             max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
                                             stream=True)
-    streamed = [t for ch in s if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    streamed = [t for ch in s if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content]
 
 
@@ -204,16 +209,19 @@ def test_tokenize_detokenize(live):
 
 # ---- concurrency: the continuous batch gives what one-at-a-time gives ---------------------------------
 def test_concurrent_equals_sequential(live):
-    prompts = [f"Q{i}: {i} plus {i} is" for i in range(32)]
+    # 16 distinct prompts, each sent twice at once: 32 requests in flight (the twins also share
+    # prefix-cached blocks), compared with each distinct request run alone.
+    distinct = [f"Q{i}: {i} plus {i} is" for i in range(16)]
+    prompts = distinct + distinct[::-1]
 
     def ask(p: str) -> tuple[str, str]:
         r = live.client.completions.create(model=live.model, prompt=p, max_tokens=8, temperature=0)
         return r.choices[0].text, r.choices[0].finish_reason
 
-    one_at_a_time = [ask(p) for p in prompts]
+    alone = {p: ask(p) for p in distinct}
     with ThreadPoolExecutor(32) as pool:
         together = list(pool.map(ask, prompts))
-    assert together == one_at_a_time
+    assert together == [alone[p] for p in prompts]
     assert max(rec.num_running for rec in live.engine.step_records) > 1  # they really shared a batch
     _wait_idle(live.engine)
 
@@ -301,8 +309,9 @@ def test_metrics(live):
                                    extra_body={"ignore_eos": True})
     text = live.http.get("/metrics").text
     for name in (
-        "pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:kv_cache_usage_perc",
-        "pagedserve:num_preemptions_total", "pagedserve:prompt_tokens_total", "pagedserve:generation_tokens_total",
+        "pagedserve:num_requests_running", "pagedserve:num_requests_waiting",
+        "pagedserve:kv_cache_usage_perc", "pagedserve:num_preemptions_total",
+        "pagedserve:prompt_tokens_total", "pagedserve:generation_tokens_total",
         "pagedserve:time_to_first_token_seconds_bucket", "pagedserve:inter_token_latency_seconds_bucket",
         "pagedserve:time_per_output_token_seconds_bucket", "pagedserve:e2e_request_latency_seconds_bucket",
         "pagedserve:request_success_total", "pagedserve:prefix_cache_queries_total",

@@ -1,6 +1,7 @@
 """Batched paged attention with no Python loop over requests.
 
-Per step, sequences are split into two groups — decodes (one new token) and prefill chunks (several) —
+Decodes (one new token per sequence) use a small C++ kernel that reads K/V through the block table in
+place (csrc/paged_attention_cpu.cpp). Per step, sequences are split into two groups — decodes (one new token) and prefill chunks (several) —
 so a long prefill does not pad every decode to its length. For each group the context of every
 sequence is gathered through its block table in one indexing op, and a single masked
 `scaled_dot_product_attention` call (GQA-aware) does the math. Index tensors and masks are built once
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention import cpu_kernels
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
 
 
@@ -24,6 +26,8 @@ class _Group:
     block_tables: torch.Tensor  # [G, num_blocks]
     out_rows: torch.Tensor  # flat token indices of the valid query slots, in padded order
     valid: torch.Tensor  # [G * max_q] indices of valid slots
+    seq_lens: torch.Tensor  # [G]
+    is_decode: bool
 
 
 def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
@@ -46,11 +50,19 @@ def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
         block_tables=meta.block_tables[idx, :num_blocks],
         out_rows=token_index[valid],
         valid=valid.flatten().nonzero().squeeze(1),
+        seq_lens=seq_lens,
+        is_decode=max_q == 1,
     )
 
 
 class BatchedGatherBackend(AttentionBackend):
+    """Decodes go to the C++ kernel that reads the paged cache in place (when it could be built);
+    prefill chunks, and decodes without the kernel, use the gather + SDPA path."""
+
     name = "batched"
+
+    def __init__(self, use_kernel: bool = True) -> None:
+        self.kernel = cpu_kernels.load() if use_kernel else None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         decodes = [i for i, q in enumerate(meta.query_lens) if q == 1]
@@ -64,6 +76,11 @@ class BatchedGatherBackend(AttentionBackend):
         out = torch.empty_like(q)
         num_heads, head_dim = q.shape[1], q.shape[2]
         for g in meta.prepared["groups"]:
+            if g.is_decode and self.kernel is not None and q.device.type == "cpu":
+                out[g.out_rows] = self.kernel.paged_decode_attention(
+                    q[g.out_rows], k_cache, v_cache, g.block_tables, g.seq_lens, scale
+                )
+                continue
             G, max_q = g.token_index.shape
             keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]
             values = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)

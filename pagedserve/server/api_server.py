@@ -48,16 +48,26 @@ class _Run:
         self.pending: list[str] = []
         self.finished: dict[str, RequestOutput] = {}
 
-    async def add(self, request_id: str, prompt: dict, params: SamplingParams) -> None:
-        self.pending.append(request_id)  # before awaiting, so a cancelled add is still aborted
+    async def add(self, requests: list[tuple[str, dict]], params: SamplingParams) -> None:
+        """Queue all at once (they join the same step); any failure aborts them all."""
+        self.pending.extend(rid for rid, _ in requests)  # before awaiting: a cancelled add is still aborted
         try:
-            await self.engine.add_request(request_id, prompt, params, self.queue)
-        except ValueError as e:
+            results = await asyncio.gather(
+                *(self.engine.add_request(rid, prompt, params, self.queue) for rid, prompt in requests),
+                return_exceptions=True,
+            )
+        except BaseException:
             self.abort()
-            raise OpenAIError.from_value_error(e) from None
-        except EngineDeadError as e:
-            self.abort()
-            raise OpenAIError(str(e), 503, "server_error") from None
+            raise
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is None:
+            return
+        self.abort()
+        if isinstance(error, ValueError):
+            raise OpenAIError.from_value_error(error)
+        if isinstance(error, EngineDeadError):
+            raise OpenAIError(str(error), 503, "server_error")
+        raise error
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield outputs (the latest per request) until all have finished."""
@@ -273,8 +283,7 @@ def build_app(
         params = body.sampling_params(body.max_tokens, body.logprobs)
         base = f"cmpl-{uuid.uuid4().hex}"
         run = _Run(aengine)
-        for i, prompt in enumerate(prompts):
-            await run.add(f"{base}-{i}", prompt, params)
+        await run.add([(f"{base}-{i}", prompt) for i, prompt in enumerate(prompts)], params)
         index_of = {f"{base}-{i}": i for i in range(len(prompts))}
         echo = [tok.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts]
         echo = echo if body.echo else []
@@ -316,7 +325,7 @@ def build_app(
         params = body.sampling_params(max_tokens, top if body.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = _Run(aengine)
-        await run.add(rid, {"prompt": text, "prompt_token_ids": ids}, params)
+        await run.add([(rid, {"prompt": text, "prompt_token_ids": ids})], params)
         created = int(time.time())
         if body.stream:
             return _SSEResponse(_stream_chat(run, body, rid, created, model_name, len(ids), top), run)

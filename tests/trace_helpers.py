@@ -1,0 +1,49 @@
+"""One small traced run shared by tests/test_trace.py and tests/test_trace_browser.py (built once).
+
+Block size 4, 12 blocks and a 16-token budget: the 20-token prompt is prefilled in two chunks, the
+cache runs out by step 3 so a request is preempted and recomputed, one request arrives late and one
+is aborted. Prefix caching is off so every computed token is accounted for exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from pagedserve.config import EngineConfig
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.trace_report import TraceRequest, engine_trace_data, run_workload
+
+PROMPTS = [
+    "The paged KV cache stores the keys and values of every token in fixed size blocks, so",
+    "Continuous batching lets requests join",
+    "A block table maps",
+    "Preemption frees",
+    "Chunked prefill splits long prompts",
+]
+
+
+def small_config() -> EngineConfig:
+    return EngineConfig(dtype="float32", block_size=4, num_kv_blocks=12, max_num_batched_tokens=16,
+                        max_num_seqs=8, enable_prefix_caching=False, keep_block_tables=True, seed=0)
+
+
+def small_workload() -> list[TraceRequest]:
+    out = []
+    for i, text in enumerate(PROMPTS):
+        stop = ["."] if i == 1 else None
+        params = SamplingParams(temperature=0.0, max_tokens=6, stop=stop)
+        arrival = 0 if i < 3 else 2 + i
+        abort = 9 if i == 4 else None
+        out.append(TraceRequest(text, params, arrival, abort, f"r{i}"))
+    return out
+
+
+@functools.cache
+def small_trace():
+    """(engine, recorder, data) of the small workload, run once per test session."""
+    from pagedserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(small_config())
+    recorder = run_workload(engine, small_workload())
+    data = engine_trace_data(engine, recorder=recorder)
+    return engine, recorder, data
