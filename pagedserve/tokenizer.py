@@ -82,13 +82,13 @@ class IncrementalDetokenizer:
         self.text += piece
         if not self.stop:
             return None
-        for s in self.stop:
-            idx = self.text.find(s, start)
-            if idx >= 0:
-                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
-                self.stop_string = s
-                return s
-        return None
+        hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        idx, s = min(hits)  # the earliest stop string in the text wins
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+        self.stop_string = s
+        return s
 
     def visible_text(self, finished: bool) -> str:
         """What can be shown now: all of it once finished, else all but the held-back tail."""
