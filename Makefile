@@ -30,7 +30,9 @@ run: install
 serve: install
 	$(VENV)/bin/pagedserve serve --host 127.0.0.1 --port 8000
 
+# The trace/dashboard tests render pages in Debian's headless Chromium.
 test: install
+	sh scripts/install_chromium.sh
 	$(PY) -m pytest -q tests
 
 lint: install

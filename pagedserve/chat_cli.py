@@ -59,7 +59,7 @@ def _answer(engine: LLMEngine, history: list[dict], args: argparse.Namespace, ou
     if room < 1:
         raise ValueError("messages: the conversation is longer than max_model_len; /reset to start again")
     params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p)
     rid = f"chat-{uuid.uuid4().hex[:8]}"
     engine.add_request(rid, {"prompt": prompt, "prompt_token_ids": ids}, params)
     shown, text = 0, ""
@@ -69,5 +69,7 @@ def _answer(engine: LLMEngine, history: list[dict], args: argparse.Namespace, ou
             out.write(text[shown:])
             out.flush()
             shown = len(text)
+            if o.error:
+                out.write(f"\n[error: {o.error}]")
     out.write("\n")
     return text

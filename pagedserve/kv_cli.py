@@ -30,12 +30,20 @@ def run_kv(args: argparse.Namespace) -> int:
         f" × {elem} bytes = {block} bytes ({human_bytes(block)}) per block"
     )
     print(f"  = {human_bytes(block / args.block_size)} per token")
+    if args.request_len is not None and args.request_len < 1:
+        raise ValueError(f"request-len: must be >= 1, got {args.request_len}")
+    req_len = args.request_len or max_len
+    if req_len:
+        per_req = -(-req_len // args.block_size)
+        print(f"  a request of {req_len} tokens (prompt + output) needs {per_req} blocks = "
+              f"{human_bytes(per_req * block)}")
     if args.memory_gb is not None:
         if args.memory_gb <= 0:
             raise ValueError(f"memory-gb: must be > 0, got {args.memory_gb}")
         cap = capacity(block, args.memory_gb * 1024**3, args.block_size)
         print(f"  {args.memory_gb:g} GiB holds {cap.num_blocks} blocks = {cap.num_tokens} tokens")
-        req_len = args.request_len or max_len
         if req_len:
             print(f"  {cap.max_concurrency(req_len)} concurrent requests of {req_len} tokens fit")
+    elif args.request_len:
+        print("  (give --memory-gb to see how many such requests fit at once)")
     return 0

@@ -249,10 +249,9 @@ def _request_entry(rid: str, arrival: int, recs: list, first: int, rec: TraceRec
     table: list[int] | None = None
     abort_at = rec.abort_step.get(rid)
     live_req = engine.scheduler.requests.get(rid)
-    for i, r in enumerate(recs):
+    for i in range(max(0, arrival - first), len(recs)):  # step numbers are consecutive
+        r = recs[i]
         s = r.step
-        if s < arrival:
-            continue
         if abort_at is not None and s >= abort_at:
             finish_step, finish_reason = abort_at, "abort"
             break
@@ -393,6 +392,8 @@ def run_trace(args: argparse.Namespace, engine_config_from_args) -> int:
     engine = LLMEngine(engine_config_from_args(args, **overrides))
     recorder = run_workload(engine, workload)
     data = engine_trace_data(engine, recorder=recorder)
+    if data["steps"]:  # open the block map at the fullest step
+        data["selected_step"] = max(data["steps"], key=lambda s: s["num_used_blocks"])["step"]
     json_path = write_report(data, args.output, args.json, f"pagedserve trace — {engine.served_model_name}")
     t = data["totals"]
     print(f"{len(workload)} requests, {t['steps']} steps, {t['scheduled_tokens']} tokens computed "

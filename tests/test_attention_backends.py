@@ -8,14 +8,18 @@ import random
 import pytest
 import torch
 
-from pagedserve.attention.backend import AttentionMetadata, get_backend
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, get_backend
+from pagedserve.attention.cpu import BatchedGatherBackend
 
-FAST_BACKENDS = ("batched",)
+# "batched" sends decodes to the C++ kernel when it builds; "batched-gather" is its pure-PyTorch path.
+FAST_BACKENDS = ("batched", "batched-gather")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def random_batch(rng: random.Random, kinds: list[str], block_size: int, num_blocks: int,
-                 share_prefix: bool = False) -> tuple[AttentionMetadata, int]:
+def random_batch(
+    rng: random.Random, kinds: list[str], block_size: int, num_blocks: int, share_prefix: bool = False,
+    sliding_window: int | None = None,
+) -> tuple[AttentionMetadata, int]:
     """kinds: per sequence "decode" (1 new token after cached context), "chunk" (several new tokens after
     cached context) or "prefill" (several new tokens, no context). Returns the metadata and T."""
     free = list(range(num_blocks))
@@ -52,13 +56,18 @@ def random_batch(rng: random.Random, kinds: list[str], block_size: int, num_bloc
         query_lens=query_lens,
         seq_lens_host=seq_lens,
         block_size=block_size,
+        sliding_window=sliding_window,
     )
     return meta, sum(query_lens)
 
 
+def make_backend(name: str) -> AttentionBackend:
+    return BatchedGatherBackend(use_kernel=False) if name == "batched-gather" else get_backend(name)
+
+
 def _fresh_meta(meta: AttentionMetadata) -> AttentionMetadata:
     return AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                             meta.query_lens, meta.seq_lens_host, meta.block_size)
+                             meta.query_lens, meta.seq_lens_host, meta.block_size, meta.sliding_window)
 
 
 def run_both(backend: str, meta: AttentionMetadata, num_tokens: int, heads: int, kv_heads: int, head_dim: int,
@@ -70,7 +79,7 @@ def run_both(backend: str, meta: AttentionMetadata, num_tokens: int, heads: int,
     results = []
     for name in ("torch_ref", backend):
         g.manual_seed(seed)
-        be = get_backend(name)
+        be = make_backend(name)
         m = _fresh_meta(meta)
         be.prepare(m)
         outs, caches = [], []
@@ -99,14 +108,18 @@ MIXES = {
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mix", list(MIXES))
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 32, 4), (4, 4, 16, 16), (6, 1, 64, 8)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(8, 2, 32, 4), (4, 4, 16, 16), (6, 1, 64, 8)])
 def test_backend_matches_reference(backend, dtype, mix, heads, kv_heads, head_dim, block_size):
-    for trial in range(3):
+    # trial 0: full causal attention; 1 and 2: a sliding window (1 = only the token itself); 2 and 3 share
+    # prefix blocks between sequences.
+    for trial, window in enumerate([None, 1, 7, None]):
         rng = random.Random(f"{mix}-{heads}-{block_size}-{trial}")
         kinds = list(MIXES[mix])
         rng.shuffle(kinds)
         num_blocks = 64
-        meta, num_tokens = random_batch(rng, kinds, block_size, num_blocks, share_prefix=trial == 2)
+        meta, num_tokens = random_batch(rng, kinds, block_size, num_blocks, share_prefix=trial >= 2,
+                                       sliding_window=window)
         (ref_out, ref_caches), (out, caches) = run_both(backend, meta, num_tokens, heads, kv_heads, head_dim,
                                                         dtype, num_blocks, seed=trial)
         tol = TOLERANCE[dtype]

@@ -14,28 +14,28 @@ from pagedserve import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 PREFIX = (
-    "You are a helpful assistant for a school library. Answer the following question about geography, "
-    "history or science in one short paragraph, using simple words that a child can understand. Question: "
+    "The following is a chapter from a long adventure novel about a young sailor named Mara and her crew, "
+    "who travel across the stormy northern sea in search of a lost island. "
 )
-QUESTIONS = [
-    "What is the capital of France?",
-    "Why is the sky blue during the day?",
-    "Who was the first person to walk on the moon?",
-    "How do plants make their own food?",
-    "What is the largest ocean on Earth?",
-    "Why do we have seasons?",
-    "What did the ancient Egyptians build?",
-    "How does a rainbow form?",
-    "What is the longest river in Africa?",
-    "Why do leaves change color in autumn?",
-    "Who invented the light bulb?",
-    "What causes earthquakes?",
-    "How many continents are there?",
-    "What is the boiling point of water?",
-    "Why does the moon change shape?",
-    "What are volcanoes made of?",
+STARTS = [
+    "On the first morning of the voyage,",
+    "The captain looked at the old map and",
+    "When the storm finally reached the ship,",
+    "Mara climbed to the top of the mast because",
+    "In the galley, the cook was preparing",
+    "That night the stars were so bright that",
+    "The old navigator told the crew a story about",
+    "A strange bird landed on the deck and",
+    "After three weeks at sea, the water supply",
+    "The first mate, a tall man named Oskar,",
+    "Far away on the horizon, Mara could see",
+    "The youngest sailor on board had never",
+    "Inside the captain's cabin there was a locked chest that",
+    "When they finally reached the island, the beach was",
+    "The letter that Mara found in the bottle said",
+    "Before dawn, the whole crew gathered to",
 ]
-PROMPTS = [PREFIX + q for q in QUESTIONS]
+PROMPTS = [PREFIX + q for q in STARTS]
 REF_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=REF_TOKENS)
 
@@ -204,14 +204,10 @@ def test_max_tokens_gives_length(llm, reference):
     assert c.finish_reason == "length" and c.stop_reason is None
 
 
-def _ref_text(llm, prompt, n=REF_TOKENS):
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0]
-    return out.outputs[0].text, out.outputs[0].token_ids
-
-
-def test_stop_string_ends_generation(llm):
-    text, ids = _ref_text(llm, PROMPTS[0])
-    assert len(text) > 20
+def test_stop_string_ends_generation(llm, reference):
+    ids = reference[0]
+    text = llm.get_tokenizer().decode(ids, skip_special_tokens=True)
+    assert len(ids) == REF_TOKENS and len(text) > 40
     stop = text[len(text) // 2 : len(text) // 2 + 4]
     idx = text.index(stop)
     for include in (False, True):
@@ -224,16 +220,21 @@ def test_stop_string_ends_generation(llm):
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
 
 
-def test_stop_string_on_the_last_allowed_token_is_a_stop(llm):
-    text, ids = _ref_text(llm, PROMPTS[0])
+def test_stop_string_on_the_last_allowed_token_is_a_stop(llm, reference):
+    ids = reference[0]
     tok = llm.get_tokenizer()
-    k = 6  # the stop string is completed exactly by token k, which is also max_tokens
-    stop = tok.decode(ids[:k])[-3:]
-    assert stop not in tok.decode(ids[: k - 1])
+    # Find k such that a 3-character stop string is completed exactly by token k (= max_tokens).
+    for k in range(4, len(ids)):
+        full = tok.decode(ids[:k])
+        stop = full[-3:]
+        if len(stop) == 3 and stop not in tok.decode(ids[: k - 1]):
+            break
+    else:
+        pytest.skip("no suitable stop string in the reference output")
     c = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=k, stop=stop), use_tqdm=False)[0]
     c = c.outputs[0]
-    assert len(c.token_ids) == k
-    assert c.text == tok.decode(ids[:k])[:-3]
+    assert c.token_ids == ids[:k]
+    assert c.text == full[: full.index(stop)]
     assert c.finish_reason == "stop" and c.stop_reason == stop
 
 
@@ -303,18 +304,19 @@ def test_too_long_requests_are_rejected_at_add_request(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("too-long", PROMPTS[0], SamplingParams(max_tokens=engine.max_model_len))
     assert not engine.has_unfinished_requests()
-    short = engine_llm(max_model_len=64)
+    short = engine_llm(max_model_len=48, num_kv_blocks=16)
     with pytest.raises(ValueError, match="max_model_len"):
-        short.generate([PROMPTS[0]], SamplingParams(max_tokens=40), use_tqdm=False)
+        short.generate([PROMPTS[0]], SamplingParams(max_tokens=10), use_tqdm=False)  # 40 + 10 > 48
     # A failing prompt in a batch leaves nothing behind.
     with pytest.raises(ValueError):
-        short.generate(["Hi", PROMPTS[0]], SamplingParams(max_tokens=40), use_tqdm=False)
+        short.generate(["Hi", PROMPTS[0]], SamplingParams(max_tokens=10), use_tqdm=False)
     assert not short.engine.has_unfinished_requests()
     assert short.engine.kv_manager.pool.num_used_blocks == 0
     # max_tokens=None fills up to max_model_len.
-    out = short.generate(["Hi"], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
+    prompt = PROMPTS[1]
+    out = short.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
                          use_tqdm=False)[0]
-    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 48
     assert out.outputs[0].finish_reason == "length"
 
 

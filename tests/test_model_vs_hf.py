@@ -24,8 +24,8 @@ class PagedSequences:
     """Drives the model directly over a paged cache: blocks are handed out from a shuffled free list as
     sequences grow, so every block table is non-contiguous and the sequences' blocks interleave."""
 
-    def __init__(self, lm: LoadedModel, backend: str, num_seqs: int, block_size: int = 4, num_blocks: int = 96,
-                 seed: int = 0) -> None:
+    def __init__(self, lm: LoadedModel, backend: str, num_seqs: int, block_size: int = 4,
+                 num_blocks: int = 96, seed: int = 0) -> None:
         self.lm, self.backend, self.block_size = lm, get_backend(backend), block_size
         self.kv = allocate_kv_cache(lm.config, num_blocks, block_size, torch.float32)
         # Garbage in unused slots must never be read: fill the cache with large values first.
@@ -55,8 +55,8 @@ class PagedSequences:
         width = max(len(t) for t in self.tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
         qsl = torch.tensor([0] + query_lens).cumsum(0)
-        meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(seq_lens), qsl, query_lens, seq_lens,
-                                 self.block_size)
+        meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(seq_lens), qsl, query_lens,
+                                 seq_lens, self.block_size)
         with torch.inference_mode():
             return self.lm.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta,
                                  None if all_logits else qsl[1:] - 1)
@@ -73,11 +73,17 @@ def _hf_config(arch: str):
     if arch == "llama3-rope":
         return LlamaConfig(**common, tie_word_embeddings=True, rope_scaling=dict(LLAMA3_ROPE),
                            rope_theta=500000.0)
+    if arch == "llama-bias":  # attention_bias puts a bias on q/k/v and o_proj; mlp_bias on the MLP
+        return LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
     if arch == "mistral":
-        # MHA-ish variant (1 kv head: extreme GQA); no sliding window inside these short sequences
-        return MistralConfig(**dict(common, num_key_value_heads=1), tie_word_embeddings=False, sliding_window=None)
+        # one kv head (extreme GQA) and a sliding window shorter than the test sequences
+        return MistralConfig(**dict(common, num_key_value_heads=1), tie_word_embeddings=False,
+                             sliding_window=6)
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen2-window":  # window on every layer
+        return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=True, sliding_window=5,
+                           max_window_layers=0)
     raise AssertionError(arch)
 
 
@@ -95,7 +101,7 @@ def _build_hf(arch: str):
     return hf
 
 
-ARCHS = ("llama", "llama3-rope", "mistral", "qwen2")
+ARCHS = ("llama", "llama3-rope", "llama-bias", "mistral", "qwen2", "qwen2-window")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -121,11 +127,13 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
 def test_config_read(tiny):
     arch, hf, lm = tiny
     cfg = lm.config
-    assert cfg.architecture == {"llama3-rope": "llama"}.get(arch, arch)
+    assert cfg.architecture == arch.split("-")[0].replace("llama3", "llama")
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, hf.config.num_key_value_heads, 16)
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     assert (lm.model.lm_head is None) == cfg.tie_word_embeddings
-    assert cfg.attention_bias == (arch == "qwen2")
+    assert cfg.attention_bias == (arch.startswith("qwen2") or arch == "llama-bias")
+    assert cfg.o_proj_bias == cfg.mlp_bias == (arch == "llama-bias")
+    assert cfg.sliding_window == {"mistral": 6, "qwen2-window": 5}.get(arch)
     if arch == "llama3-rope":
         assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
         assert cfg.rope_theta == 500000.0
@@ -179,6 +187,21 @@ def test_chunked_prefill_mixed_with_decode(tiny, backend):
     logits = run.step([a[16:], [7]], all_logits=True)
     ref = torch.cat([_hf_logits(hf, a)[16:], _hf_logits(hf, b + [b_next, 7])[-1:]])
     assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_qwen2_window_on_some_layers_only_is_refused():
+    from pagedserve.model.config import ModelConfig
+
+    cfg = _hf_config("qwen2-window").to_dict()
+    cfg["architectures"] = ["Qwen2ForCausalLM"]
+    cfg["layer_types"] = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_hf_dict(cfg)
+    cfg["layer_types"] = ["full_attention", "full_attention"]
+    assert ModelConfig.from_hf_dict(cfg).sliding_window is None
+    cfg["use_sliding_window"] = False
+    cfg["layer_types"] = ["sliding_attention"] * 2
+    assert ModelConfig.from_hf_dict(cfg).sliding_window is None
 
 
 def test_sharded_safetensors(tmp_path):

@@ -151,6 +151,10 @@ def test_n_seed_and_stop(live):
     b = live.client.completions.create(n=2, seed=1234, **kw)
     assert sorted(c.index for c in a.choices) == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # same seed, same text
+    texts = ["", ""]
+    for chunk in live.client.completions.create(n=2, seed=1234, stream=True, **kw):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in sorted(a.choices, key=lambda c: c.index)]
     chat = dict(model=live.model, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6,
                 temperature=1.0, seed=7, n=2)
     c1 = live.client.chat.completions.create(**chat)
@@ -302,6 +306,13 @@ def test_disconnect_aborts_and_frees_blocks(live):
     # (long before its 4000 tokens could have been generated).
     _wait_idle(live.engine, timeout=10)
     assert not live.engine.parents
+
+    # Not streamed: a client that gives up (read timeout) has its request aborted too.
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=1.0) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={**body, "stream": False})
+    assert live.engine.parents  # still running when the client left
+    _wait_idle(live.engine, timeout=10)
 
 
 def test_metrics(live):

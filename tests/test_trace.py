@@ -127,3 +127,17 @@ def test_cli_trace_with_a_prompts_file(tmp_path, capsys):
     assert data["requests"][1]["arrival_step"] == 1
     assert out.read_text().startswith("<!DOCTYPE html>")
     assert "2 requests" in capsys.readouterr().err
+
+
+def test_demo_workload_is_varied():
+    from pagedserve.trace_report import demo_engine_overrides, demo_workload
+
+    work = demo_workload()
+    assert len(work) == 12 and len({w.request_id for w in work}) == 12
+    assert len({len(w.prompt.split()) for w in work}) == 12
+    assert len({w.params.max_tokens for w in work}) > 6
+    assert len({w.arrival_step for w in work}) > 6
+    assert any(w.params.stop for w in work) and any(w.abort_step is not None for w in work)
+    over = demo_engine_overrides()
+    assert over["keep_block_tables"]
+    assert over["max_num_batched_tokens"] < max(len(w.prompt) // 4 for w in work)  # some prompts are chunked

@@ -60,6 +60,7 @@ def _errors_box(dom: str) -> str:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     _, _, data = small_trace()
+    data = dict(data, selected_step=max(data["steps"], key=lambda s: s["num_used_blocks"])["step"])
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = ARTIFACTS / "trace.html"
     page.write_text(render_html(data), encoding="utf-8")
@@ -83,8 +84,10 @@ def test_report_renders_in_chromium(report, tmp_path):
     assert dom.count('class="pt-request"') == len(data["requests"])
     assert len(re.findall(r'class="pt-block( pt-held)?"', dom)) == data["config"]["num_blocks"]
     assert "→ block" in dom and "✕ abort" in dom and "✓ length" in dom
-    # The block map shows the newest step by default.
-    assert f'data-selected-step="{steps[-1]["step"]}"' in dom
+    # The block map opens at the step the data names (as `pagedserve trace` does: the fullest one).
+    assert f'data-selected-step="{data["selected_step"]}"' in dom
+    held = data["block_tables"][[s["step"] for s in steps].index(data["selected_step"])]
+    assert dom.count('class="pt-block pt-held"') == len({b for h in held.values() for b in h["blocks"]}) > 0
 
 
 def test_report_screenshot(report, tmp_path):

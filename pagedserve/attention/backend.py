@@ -23,6 +23,9 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies, for backends that need shapes without a device sync
     seq_lens_host: list[int]
     block_size: int
+    # Mistral-style local attention: a token sees only the last `sliding_window` positions (itself
+    # included). Set by the model from its config; None means full causal attention.
+    sliding_window: int | None = None
     prepared: dict[str, Any] = field(default_factory=dict)  # backend-specific, built once per step
 
     @property

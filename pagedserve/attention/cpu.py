@@ -44,6 +44,8 @@ def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
     q_pos = torch.where(valid, (seq_lens - q_lens).unsqueeze(1) + j, 0)
     k_pos = torch.arange(num_blocks * meta.block_size, device=dev)
     mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
+    if meta.sliding_window is not None:
+        mask &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(2) - meta.sliding_window
     return _Group(
         token_index=token_index,
         mask=mask.unsqueeze(1),
@@ -76,7 +78,9 @@ class BatchedGatherBackend(AttentionBackend):
         out = torch.empty_like(q)
         num_heads, head_dim = q.shape[1], q.shape[2]
         for g in meta.prepared["groups"]:
-            if g.is_decode and self.kernel is not None and q.device.type == "cpu":
+            # The kernel has no sliding window: windowed models take the gather path.
+            use_kernel = self.kernel is not None and q.device.type == "cpu" and meta.sliding_window is None
+            if g.is_decode and use_kernel:
                 out[g.out_rows] = self.kernel.paged_decode_attention(
                     q[g.out_rows], k_cache, v_cache, g.block_tables, g.seq_lens, scale
                 )

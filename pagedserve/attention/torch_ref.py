@@ -36,7 +36,10 @@ class TorchRefBackend(AttentionBackend):
             # New tokens are the last q_len positions of the context: token i sees keys 0..pos_i.
             q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
             k_pos = torch.arange(seq_len).unsqueeze(0)
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            hidden = k_pos > q_pos
+            if meta.sliding_window is not None:
+                hidden |= k_pos <= q_pos - meta.sliding_window
+            scores = scores.masked_fill(hidden, float("-inf"))
             probs = scores.softmax(dim=-1)
             out[start : start + q_len] = torch.einsum("hqs,shd->qhd", probs, values).to(q.dtype)
             start += q_len

@@ -66,9 +66,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admitted request (a lookup retried while blocks are short counts once)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
 
     # ---- allocation ------------------------------------------------------------------------------
     def allocate_slots(

@@ -131,6 +131,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new, computed) is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self.kv.record_prefix_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached

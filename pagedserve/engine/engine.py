@@ -79,6 +79,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_computed_prefill_tokens = 0
         self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self._finished_between_steps: dict[str, str] = {}  # aborts, reported in the next step record
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _max_model_len(self, requested: int | None) -> int:
@@ -166,7 +167,9 @@ class LLMEngine:
             if parent is None:
                 continue
             for s in parent.samples:
-                self._finish(s.request, RequestStatus.FINISHED_ABORTED)
+                if not s.request.is_finished:
+                    self._finish(s.request, RequestStatus.FINISHED_ABORTED)
+                    self._count_finish(s.request, self._finished_between_steps)
             outputs.append(self.output_processor.make_output(parent))
             self._drop(parent)
         return outputs
@@ -185,7 +188,7 @@ class LLMEngine:
         start = time.time()
         sched = self.scheduler.schedule()
         touched: dict[str, ParentState] = {}
-        finished: dict[str, str] = {}
+        finished, self._finished_between_steps = self._finished_between_steps, {}
         if not sched.is_empty:
             self._run(sched, touched, finished, start)
         self.num_preemptions += len(sched.preempted)
@@ -214,7 +217,9 @@ class LLMEngine:
                 parent = self.sample_to_parent[s.request_id]
                 parent.error = f"engine error: {e}"
                 for sample in parent.samples:
-                    self._finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                    if not sample.request.is_finished:
+                        self._finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                        self._count_finish(sample.request, finished)
                 touched[parent.request_id] = parent
             return
         sampled = {req.request_id: tok for req, tok in zip(sampling, result.token_ids, strict=True)} if rows else {}
@@ -240,9 +245,16 @@ class LLMEngine:
             parent.error = f"output processing failed: {e}"
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             return
-        if stop is not None and not req.is_finished:
+        if stop is None:
+            return
+        if not req.is_finished:
             req.stop_reason = stop
             self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif req.status == RequestStatus.FINISHED_LENGTH:
+            # The token that hit max_tokens also completed a stop string: the text was cut there, so
+            # the reason is "stop" (as vLLM), not "length".
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = stop
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)

@@ -56,10 +56,12 @@ class OutputProcessor:
                 entry.setdefault(tid, Logprob(val, r, self.tokenizer.id_to_piece(tid)))
             sample.logprobs.append(entry)
             sample.cumulative_logprob += chosen
-        eos = sample.request.eos_token_ids
-        p = sample.request.sampling_params
-        if token_id in eos and not p.ignore_eos:
+        req = sample.request
+        p = req.sampling_params
+        if token_id in req.eos_token_ids and not p.ignore_eos:
             return None  # the EOS token itself adds no text
+        if req.stop_reason == token_id and not p.include_stop_str_in_output:
+            return None  # nor does a stop token id that ended the request (as vLLM), unless asked for
         return sample.detok.add_token(token_id)
 
     @staticmethod

@@ -28,6 +28,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    o_proj_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj (Qwen2's does not)
+    mlp_bias: bool = False  # Llama's mlp_bias: gate/up/down carry a bias
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -50,7 +52,7 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        sliding = _sliding_window(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -66,7 +68,35 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=arch == "llama" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias", False)),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
+    """The attention window every layer uses, or None for full attention.
+
+    Mistral applies `sliding_window` (when set) to every layer. Qwen2 applies it only with
+    use_sliding_window, and then only to layers from max_window_layers on, which a single window per
+    model cannot express unless that is all layers or none.
+    """
+    window = cfg.get("sliding_window")
+    if arch == "mistral":
+        return window
+    if arch != "qwen2" or not cfg.get("use_sliding_window", False) or window is None:
+        return None
+    num_layers = cfg["num_hidden_layers"]
+    first = cfg.get("max_window_layers", 28)  # transformers' default
+    kinds = cfg.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+    ]
+    if all(k == "full_attention" for k in kinds):
+        return None
+    if all(k == "sliding_attention" for k in kinds):
+        return window
+    raise ValueError(
+        "sliding_window: Qwen2 with a window on some layers only (max_window_layers) is not supported"
+    )

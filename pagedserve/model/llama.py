@@ -26,7 +26,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, positions, rotary, kv_cache, backend: AttentionBackend, meta: AttentionMetadata):
@@ -42,8 +42,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -83,6 +83,8 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of the rows in `logits_indices` (each sequence's last new token), or of every token."""
+        # The window is a property of the model, not of the step: the runner need not know about it.
+        meta.sliding_window = self.config.sliding_window
         backend.prepare(meta)
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -203,6 +203,8 @@ def gguf_config(reader) -> ModelConfig:
         max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        o_proj_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )

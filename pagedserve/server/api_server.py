@@ -138,8 +138,8 @@ def _completion_logprobs(o: CompletionOutput, start: int, end: int, offset: int)
         chosen = entry.get(tid) or Logprob(float("-inf"))
         piece = chosen.decoded_token or ""
         tokens.append(piece)
-        token_lps.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in _ranked(entry)})
+        token_lps.append(max(chosen.logprob, -9999.0))  # JSON has no -inf
+        tops.append({(lp.decoded_token or ""): max(lp.logprob, -9999.0) for lp in _ranked(entry)})
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -199,9 +199,12 @@ def build_app(
         if first.get("type") == "json_invalid":
             message, param = f"invalid JSON body: {first.get('ctx', {}).get('error', '')}".strip(), None
         else:
-            message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
-            if len(errors) > 1:
-                message += f" (and {len(errors) - 1} more errors)"
+            # A union field (prompt, stop, content) fails once per alternative: list them all.
+            same = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
+            msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in same))
+            message = f"{param or 'body'}: {' or '.join(msgs[:4])}"
+            if len(errors) > len(same):
+                message += f" (and {len(errors) - len(same)} more errors)"
         return JSONResponse(OpenAIError(message, 400, param=param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

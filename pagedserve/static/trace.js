@@ -3,7 +3,7 @@
  * PagedTrace.render(data, root) draws the whole report from the trace JSON (the shape
  * pagedserve.trace_report.engine_trace_data returns). It can be called again with fresh data (the live
  * dashboard does, every second): the root is redrawn and the selected step is kept, or follows the
- * newest step when the newest was selected.
+ * newest step when the newest was selected. On the first render data.selected_step (if any) is shown.
  */
 (function (global) {
   "use strict";
@@ -38,7 +38,8 @@
   function tip(node, text) { svg("title", {}, node, text); return node; }
   function num(v) { return typeof v === "number" && isFinite(v) ? v : 0; }
   function niceMax(v) {
-    if (v <= 0) return 1;
+    if (v <= 4) return 4;  // small counts: whole-number ticks
+    if (v <= 8) return 8;
     var p = Math.pow(10, Math.floor(Math.log10(v))), m = v / p;
     return (m <= 1 ? 1 : m <= 2 ? 2 : m <= 5 ? 5 : 10) * p;
   }
@@ -144,6 +145,7 @@
       tip(svg("path", { "class": "pt-preemption", d: "M" + (cx - 5) + "," + y0 + " L" + (cx + 5) + "," + y0 +
         " L" + cx + "," + (y0 + 8) + " Z", fill: "var(--preempted)" }, f.layer),
         "step " + s.step + ": preempted " + s.preempted.join(", "));
+      if (np > 1) svg("text", { x: cx + 7, y: y0 + 8 }, f.layer, "×" + np);
     });
     finishFrame(ctx, f, function (s) {
       return "step " + s.step + ": " + num(s.num_running) + " running, " + num(s.num_waiting) + " waiting" +
@@ -234,7 +236,8 @@
 
   function blockMap(ctx, root) {
     var box = panel(root, "blockmap", "Block tables",
-      "Which physical KV blocks each request holds after the selected step (logical token range → physical block).");
+      "Which physical KV blocks each request used in the selected step (logical token range → physical block). " +
+      "Requests that finished in that step free their blocks at its end.");
     var ctl = html("div", { "class": "pt-controls" }, box);
     var prev = html("button", { type: "button", id: "step-prev" }, ctl, "◀");
     var slider = html("input", { type: "range", id: "step-slider", min: 0, max: Math.max(0, ctx.steps.length - 1),
@@ -258,29 +261,31 @@
     Object.keys(held).forEach(function (rid) {
       held[rid].blocks.forEach(function (b) { (owners[b] = owners[b] || []).push(rid); });
     });
-    bm.label.textContent = "step " + st.step + ": " + Object.keys(held).length + " requests hold " +
+    bm.label.textContent = "step " + st.step + ": " + Object.keys(held).length + " requests use " +
       Object.keys(owners).length + " of " + nb + " blocks";
     // Grid of physical blocks.
-    var cols = Math.min(32, Math.max(8, Math.ceil(Math.sqrt(nb * 2)))), cell = 26, rows = Math.ceil(nb / cols);
+    // Big pools (a served model has thousands of blocks) get more columns, smaller cells and no numbers.
+    var big = nb > 512, cols = big ? 128 : Math.min(32, Math.max(8, Math.ceil(Math.sqrt(nb * 2))));
+    var cell = big ? 10 : 26, rows = Math.ceil(nb / cols);
     var g = svg("svg", { id: "block-grid", "class": "pt-chart", viewBox: "0 0 " + (cols * cell + 2) + " " +
       (rows * cell + 2), style: "max-width:" + (cols * cell * 1.2) + "px" }, bm.body);
     for (var b = 0; b < nb; b++) {
       var x = 1 + (b % cols) * cell, y = 1 + Math.floor(b / cols) * cell, who = owners[b];
       var fill = who ? ctx.colorOf(who[0]) : "var(--free)";
       var r = svg("rect", { "class": "pt-block" + (who ? " pt-held" : ""), "data-block": b, x: x, y: y,
-        width: cell - 2, height: cell - 2, rx: 3, fill: fill, stroke: who && who.length > 1 ? "#111" : "none",
-        "stroke-width": 2 }, g);
+        width: cell - 2, height: cell - 2, rx: big ? 1 : 3, fill: fill, stroke: who && who.length > 1 ? "#111" : "none",
+        "stroke-width": big ? 1 : 2 }, g);
       tip(r, "block " + b + (who ? ": held by " + who.join(", ") : ": not held (free or cached-free)"));
-      svg("text", { x: x + (cell - 2) / 2, y: y + cell / 2 + 2, "text-anchor": "middle",
+      if (!big) svg("text", { x: x + (cell - 2) / 2, y: y + cell / 2 + 2, "text-anchor": "middle",
         style: "font-size:9px;fill:" + (who ? "#fff" : "#6b7280") + ";pointer-events:none" }, g, String(b));
     }
     // Table: request → token ranges → blocks.
     var t = html("table", { "class": "pt-table", id: "block-table" }, bm.body);
     var hr = html("tr", {}, html("thead", {}, t));
-    ["request", "tokens", "logical tokens → physical block"].forEach(function (h) { html("th", {}, hr, h); });
+    ["request", "tokens", "logical tokens → physical block", ""].forEach(function (h) { html("th", {}, hr, h); });
     var tb = html("tbody", {}, t);
     var ids = Object.keys(held).sort(function (a, b) { return ctx.order[a] - ctx.order[b]; });
-    if (!ids.length) html("td", { colspan: 3 }, html("tr", {}, tb), "no request holds blocks after this step");
+    if (!ids.length) html("td", { colspan: 4 }, html("tr", {}, tb), "no request used blocks in this step");
     ids.forEach(function (rid) {
       var h = held[rid], tr = html("tr", { "data-request": rid }, tb);
       var td = html("td", {}, tr);
@@ -288,6 +293,8 @@
       td.appendChild(document.createTextNode(rid));
       html("td", {}, tr, h.tokens == null ? "≤ " + h.blocks.length * bs : String(h.tokens));
       html("td", { "class": "pt-ranges" }, tr, ranges(h.blocks, h.tokens, bs).join(",  "));
+      var done = (st.finished || {})[rid];
+      html("td", {}, tr, done ? "finished (" + done + "): freed" : "");
     });
   }
 
@@ -320,8 +327,9 @@
       return PALETTE[(k === undefined ? 0 : k) % PALETTE.length];
     };
     var last = Math.max(0, steps.length - 1), sel = last;
-    if (prev.step != null && !prev.followLatest) {
-      for (var i = 0; i < steps.length; i++) if (steps[i].step === prev.step) sel = i;
+    var wanted = prev.step != null ? (prev.followLatest ? null : prev.step) : data.selected_step;
+    if (wanted != null) {
+      for (var i = 0; i < steps.length; i++) if (steps[i].step === wanted) sel = i;
     }
     ctx.selIndex = sel;
     ctx.select = function (i) {
