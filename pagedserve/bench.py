@@ -6,7 +6,6 @@ Every mode prints a summary and can write it with --json. Prompts are random tok
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform

@@ -25,7 +25,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "batched"  # batched | torch_ref
     num_threads: int | None = None  # torch threads; default: the cores this process may use
-    keep_block_tables: bool = False  # record every step's block tables (trace / explain)
+    keep_block_tables: bool = False  # record every step's block tables (trace / explain / dashboard)
+    max_step_records: int = 10_000  # step records kept (oldest dropped first)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -33,6 +34,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if not isinstance(self.max_step_records, int) or self.max_step_records < 0:
+            raise ValueError(f"max_step_records: must be an integer >= 0, got {self.max_step_records!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -1,11 +1,11 @@
 """Batched paged attention with no Python loop over requests.
 
-Decodes (one new token per sequence) use a small C++ kernel that reads K/V through the block table in
-place (csrc/paged_attention_cpu.cpp). Per step, sequences are split into two groups — decodes (one new token) and prefill chunks (several) —
-so a long prefill does not pad every decode to its length. For each group the context of every
-sequence is gathered through its block table in one indexing op, and a single masked
-`scaled_dot_product_attention` call (GQA-aware) does the math. Index tensors and masks are built once
-per step in `prepare` and reused by every layer.
+Per step, sequences are split into two groups — decodes (one new token) and prefill chunks (several) —
+so a long prefill does not pad every decode to its length. Decodes use a small C++ kernel that reads
+K/V through the block table in place (csrc/paged_attention_cpu.cpp). Prefill chunks (and decodes when
+the kernel is unavailable) gather each sequence's context through its block table in one indexing op,
+and a single masked `scaled_dot_product_attention` call (GQA-aware) does the math. Index tensors and
+masks are built once per step in `prepare` and reused by every layer.
 """
 
 from __future__ import annotations

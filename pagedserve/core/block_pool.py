@@ -32,6 +32,7 @@ class BlockPool:
         self.num_allocated = 0
         self.num_freed = 0
         self.num_evicted = 0
+        self._num_cached_free = 0  # free blocks that still hold a cached prefix (kept, not scanned)
 
     # ---- queries -----------------------------------------------------------------------------------
     @property
@@ -45,7 +46,7 @@ class BlockPool:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free.values() if b.block_hash is not None)
+        return self._num_cached_free
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
@@ -64,6 +65,7 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free.popitem(last=False)  # least recently freed first
             if block.block_hash is not None:
+                self._num_cached_free -= 1
                 self._evict(block)
             block.ref_count = 1
             out.append(block)
@@ -75,6 +77,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 del self.free[block.block_id]
+                self._num_cached_free -= block.block_hash is not None
             block.ref_count += 1
 
     def release(self, blocks: list[Block]) -> None:
@@ -86,6 +89,8 @@ class BlockPool:
             if block.ref_count == 0:
                 if block.block_hash is None or not self.enable_caching:
                     self._reset(block)
+                else:
+                    self._num_cached_free += 1
                 self.free[block.block_id] = block
                 self.num_freed += 1
 
@@ -111,3 +116,4 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for block in self.free.values():
             self._reset(block)
+        self._num_cached_free = 0

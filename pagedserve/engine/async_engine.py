@@ -58,6 +58,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Run a read-only function on the engine thread, between steps (the engine is not thread-safe)."""
+
+    fn: object
+    future: concurrent.futures.Future
+
+
 def _snapshot(out: RequestOutput) -> RequestOutput:
     """The engine keeps appending to a sample's logprobs list; hand the consumer its own copy."""
     for o in out.outputs:
@@ -71,7 +79,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.metrics = metrics if metrics is not None else EngineMetrics(engine)
         self.log_interval_s = log_interval_s
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -116,6 +124,15 @@ class AsyncLLMEngine:
         self._commands.append(_Add(request_id, prompt, params, arrival_time or time.time(), stream, fut))
         self._wake.set()
         await asyncio.wrap_future(fut)
+
+    async def call(self, fn):
+        """fn(engine) evaluated on the engine thread between steps; returns its result."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.append(_Call(fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown ids are ignored). Safe from any thread."""
@@ -173,6 +190,12 @@ class AsyncLLMEngine:
                 continue
             if not cmd.future.set_running_or_notify_cancel():
                 continue
+            if isinstance(cmd, _Call):
+                try:
+                    cmd.future.set_result(cmd.fn(self.engine))
+                except Exception as e:
+                    cmd.future.set_exception(e)
+                continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
             except Exception as e:
@@ -207,7 +230,7 @@ class AsyncLLMEngine:
     def _abort_all(self) -> None:
         while self._commands:  # requests that never got in: tell their callers
             cmd = self._commands.popleft()
-            if isinstance(cmd, _Add) and cmd.future.set_running_or_notify_cancel():
+            if isinstance(cmd, _Add | _Call) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineDeadError("the server is shutting down"))
         try:
             self._dispatch(self.engine.abort_request(list(self.engine.parents)))

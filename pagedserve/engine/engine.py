@@ -68,7 +68,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.sample_to_parent: dict[str, ParentState] = {}
-        self.step_records: deque[StepRecord] = deque(maxlen=100_000)
+        self.step_records: deque[StepRecord] = deque(maxlen=config.max_step_records)
         self.step_count = 0
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()

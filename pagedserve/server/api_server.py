@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -248,6 +248,18 @@ def build_app(
             "id": model_name, "object": "model", "created": created_at, "owned_by": "pagedserve",
             "root": engine.model_path, "parent": None, "max_model_len": engine.max_model_len,
         }]}
+
+    @app.get("/dashboard")
+    async def dashboard():
+        from pagedserve.trace_report import dashboard_html
+
+        return HTMLResponse(dashboard_html())
+
+    @app.get("/dashboard/state", dependencies=auth)
+    async def dashboard_state():
+        from pagedserve.trace_report import engine_trace_data
+
+        return JSONResponse(await aengine.call(lambda e: engine_trace_data(e, max_steps=300)))
 
     @app.get("/metrics", dependencies=auth)
     async def prometheus():

@@ -23,7 +23,8 @@ def register(sub, add_engine_args, engine_config_from_args) -> None:
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between stats log lines while busy")
     add_engine_args(p, positional_model=True)
-    p.set_defaults(func=lambda args: cmd_serve(args, engine_config_from_args(args)))
+    # Block tables per step feed the live /dashboard block map.
+    p.set_defaults(func=lambda args: cmd_serve(args, engine_config_from_args(args, keep_block_tables=True)))
 
     c = sub.add_parser("chat", help="interactive chat in the terminal (streams; /exit to quit)")
     c.add_argument("--system", default=None, help="system prompt")
