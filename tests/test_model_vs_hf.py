@@ -119,9 +119,16 @@ def _prompts(n_lens=(5, 11, 3, 17), seed=1) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in n_lens]
 
 
+_HF_CACHE: dict[tuple[object, tuple[int, ...]], torch.Tensor] = {}  # keys hold the model: ids stay unique
+
+
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+    """transformers' logits for every position of `ids` (memoised: both backends ask for the same)."""
+    key = (hf, tuple(ids))
+    if key not in _HF_CACHE:
+        with torch.no_grad():
+            _HF_CACHE[key] = hf(torch.tensor([ids])).logits[0].float()
+    return _HF_CACHE[key]
 
 
 def test_config_read(tiny):
