@@ -36,7 +36,7 @@ STARTS = [
     "Before dawn, the whole crew gathered to",
 ]
 PROMPTS = [PREFIX + q for q in STARTS]
-REF_TOKENS = 24
+REF_TOKENS = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=REF_TOKENS)
 
 
@@ -106,9 +106,11 @@ def test_batch_equals_one_at_a_time(llm, reference):
 
 
 def test_small_cache_preempts_and_matches(reference):
-    small = engine_llm(num_kv_blocks=9, enable_prefix_caching=False)
+    # Prompts of 42-47 tokens take 3 blocks of 16 to prefill and a 4th from their 49th token on:
+    # 7 blocks admit two of them and then force one out.
+    small = engine_llm(num_kv_blocks=7, enable_prefix_caching=False)
     engine = small.engine
-    n, max_tokens = 5, 16
+    n, max_tokens = 3, 12
     since = len(engine.step_records)
     outs = small.generate(PROMPTS[:n], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     assert token_ids(outs) == [r[:max_tokens] for r in reference[:n]]
@@ -130,7 +132,7 @@ def test_small_cache_preempts_and_matches(reference):
 def test_chunked_prefill_matches(reference):
     chunked = engine_llm(max_num_batched_tokens=16)
     engine = chunked.engine
-    n, max_tokens = 3, 12
+    n, max_tokens = 2, 8
     since = len(engine.step_records)
     outs = chunked.generate(PROMPTS[:n], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     assert token_ids(outs) == [r[:max_tokens] for r in reference[:n]]
@@ -149,7 +151,7 @@ def test_chunked_prefill_matches(reference):
 
 def test_prefix_caching_off_matches(reference):
     nocache = engine_llm(enable_prefix_caching=False)
-    n, max_tokens = 8, 16
+    n, max_tokens = 4, 12
     outs = nocache.generate(PROMPTS[:n], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     assert token_ids(outs) == [r[:max_tokens] for r in reference[:n]]
     assert all(o.num_cached_tokens == 0 for o in outs)
@@ -160,9 +162,9 @@ def test_prefix_caching_off_matches(reference):
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
-    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=12)
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=8)
     alone = llm.generate([PROMPTS[1]], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=12), SamplingParams(temperature=0, max_tokens=6)]
+    others = [SamplingParams(temperature=1.0, max_tokens=8), SamplingParams(temperature=0, max_tokens=4)]
     batch = llm.generate(
         [PROMPTS[2], PROMPTS[1], PROMPTS[3], PROMPTS[1]],
         [others[0], seeded, others[1], seeded.clone(seed=4321)],
@@ -175,7 +177,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 def test_n_2_gives_two_samples_sharing_the_prompt_blocks(llm):
     engine = llm.engine
     prompt = PREFIX + "Name three animals that live in the desert and explain how they survive there."
-    engine.add_request("n2", prompt, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8))
+    engine.add_request("n2", prompt, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=6,
+                                                                 ignore_eos=True))
     first = engine.step()
     samples = {r.request_id: r for r in engine.scheduler.requests.values() if r.parent_id == "n2"}
     assert set(samples) == {"n2#0", "n2#1"}
@@ -190,7 +193,7 @@ def test_n_2_gives_two_samples_sharing_the_prompt_blocks(llm):
     assert out.finished
     assert [c.index for c in out.outputs] == [0, 1]
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
-    assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 6 for c in out.outputs)
     assert engine.kv_manager.pool.num_used_blocks == 0
 
 

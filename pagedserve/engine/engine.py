@@ -85,8 +85,6 @@ class LLMEngine:
     def _max_model_len(self, requested: int | None) -> int:
         cfg = self.model_config
         limit = cfg.max_position_embeddings
-        if cfg.sliding_window:  # attention is full here, so stay where that equals the model's own
-            limit = min(limit, cfg.sliding_window)
         if requested is None:
             return limit
         if requested > limit:
