@@ -17,11 +17,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference, then cast back before the weight multiply.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # One fused op; it normalises in float32 internally like the reference implementation.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -58,14 +55,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KVH, D] → rotated (same dtype)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Looked up once per step and shared by every layer: [T, 1, head_dim/2] each."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary on [T, heads, D], computed in float32 and cast back."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

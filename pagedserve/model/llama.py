@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -29,12 +29,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, kv_cache, backend: AttentionBackend, meta: AttentionMetadata):
+    def forward(self, x, rope, kv_cache, backend: AttentionBackend, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -57,8 +57,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, backend, meta)
+    def forward(self, x, rope, kv_cache, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -87,8 +87,9 @@ class LlamaForCausalLM(nn.Module):
         meta.sliding_window = self.config.sliding_window
         backend.prepare(meta)
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, backend, meta)
+            x = layer(x, rope, kv_cache, backend, meta)
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
