@@ -117,3 +117,12 @@ def test_no_stop_strings_means_no_holdback(tok, prompt_ids):
     detok = IncrementalDetokenizer(tok, prompt_ids, stop=[])
     feed(detok, ids)
     assert detok.visible_text(finished=False) == "abc def"
+
+
+def test_earliest_of_several_stop_strings_wins(tok, prompt_ids):
+    """Both stop strings complete in the same token; the one that starts first cuts the text."""
+    ids = tok.encode("The quick brown fox", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_ids, stop=["own", "br"])
+    stop, _, _ = feed(detok, ids)
+    assert stop == "br"
+    assert detok.text == "The quick "

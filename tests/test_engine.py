@@ -149,13 +149,24 @@ def test_chunked_prefill_matches(reference):
         ) - 1
 
 
-def test_prefix_caching_off_matches(reference):
-    nocache = engine_llm(enable_prefix_caching=False)
+def test_prefix_caching_on_and_off_match(reference):
+    """Fresh engines, one batch: with caching on, later prompts share the prefix blocks the first one
+    computes in the very same step; the outputs must not change either way."""
     n, max_tokens = 4, 12
-    outs = nocache.generate(PROMPTS[:n], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    assert token_ids(outs) == [r[:max_tokens] for r in reference[:n]]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    expected = [r[:max_tokens] for r in reference[:n]]
+    nocache = engine_llm(enable_prefix_caching=False)
+    outs = nocache.generate(PROMPTS[:n], params, use_tqdm=False)
+    assert token_ids(outs) == expected
     assert all(o.num_cached_tokens == 0 for o in outs)
     assert all(r.prefix_cache_hits == 0 for r in nocache.engine.step_records)
+    del nocache
+    cached = engine_llm(enable_prefix_caching=True)
+    outs = cached.generate(PROMPTS[:n], params, use_tqdm=False)
+    assert token_ids(outs) == expected
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 32 for o in outs[1:])  # PREFIX spans two full blocks of 16
+    assert cached.engine.step_records[0].prefix_cache_hits >= 32 * (n - 1)
 
 
 # ---- sampling --------------------------------------------------------------------------------------
@@ -193,6 +204,10 @@ def test_n_2_gives_two_samples_sharing_the_prompt_blocks(llm):
     assert out.finished
     assert [c.index for c in out.outputs] == [0, 1]
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    # Sample i draws with seed + i; sample 1 read sample 0's blocks, and must not notice.
+    alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=8, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == out.outputs[1].token_ids
     assert all(c.finish_reason == "length" and len(c.token_ids) == 6 for c in out.outputs)
     assert engine.kv_manager.pool.num_used_blocks == 0
 

@@ -84,7 +84,15 @@ def test_prefix_hit_shares_full_blocks_never_the_last_token():
     # A prompt that is exactly the cached blocks still computes its last token itself.
     c = make_request("c", shared)
     assert len(kv.get_computed_blocks(c)) == 1
-    assert kv.prefix_hits == 2 * 4 + 4
+
+
+def test_prefix_lookup_counters():
+    on, off = KVCacheManager(8, 4), KVCacheManager(8, 4, enable_prefix_caching=False)
+    for kv in (on, off):
+        kv.record_prefix_lookup(10, 8)
+        kv.record_prefix_lookup(5, 0)
+    assert (on.prefix_queries, on.prefix_hits) == (15, 8)
+    assert (off.prefix_queries, off.prefix_hits) == (0, 0)
 
 
 def test_different_prefix_same_block_tokens_is_a_miss():
@@ -143,7 +151,7 @@ def test_prefix_caching_off_never_hits():
 def test_free_releases_tail_first():
     """The earliest (most shareable) blocks of a request are evicted last."""
     kv = KVCacheManager(3, 2)
-    a = make_request("a", [1, 2, 3, 4, 5, 6, 7])  # 4 tokens... 7 tokens → 4 blocks won't fit
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7])  # 7 tokens → 4 blocks of 2: more than the pool has
     assert kv.allocate_slots(a, 7) is None
     a = make_request("a", [1, 2, 3, 4, 5, 6])
     prefill(kv, a)

@@ -116,6 +116,22 @@ def test_first_come_first_served_no_overtaking():
     out, _ = run_step(sched)
     assert [s.request_id for s in out.scheduled] == ["a"]
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.kv.pool.num_used_blocks == 0
+
+
+def test_prefix_lookups_count_once_per_admission():
+    """A head of the queue that waits for blocks over several steps is counted once, when admitted."""
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    add(sched, "a", 16, max_tokens=4, first=100)
+    add(sched, "b", 12, max_tokens=2, first=10)
+    for _ in range(3):
+        run_step(sched)
+    assert sched.kv.prefix_queries == 16
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.kv.prefix_queries == 16 + 12
 
 
 def test_preemption_frees_newest_and_requeues_it_first():
@@ -160,6 +176,7 @@ def test_identical_block_aligned_prompts_never_cache_the_last_token():
     assert by_id["b"].block_table[:3] == by_id["a"].block_table[:3]
     assert by_id["b"].block_table[3] != by_id["a"].block_table[3]
     assert out.num_cached_tokens == 12 and b.num_cached_tokens == 12 and a.num_cached_tokens == 0
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (32, 12)
     while sched.has_unfinished_requests():
         run_step(sched)
     assert sched.kv.pool.num_used_blocks == 0
