@@ -94,17 +94,15 @@ def run_throughput(args, config) -> dict:
 
 def run_hf_generate(model_path: str, dtype: torch.dtype, prompts: list, output_len: int) -> dict:
     """HF transformers `generate` as a static batch over the same prompts, same dtype, greedy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    if os.path.isdir(model_path):
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    else:
-        d, f = os.path.split(model_path)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
-        if isinstance(prompts[0], str):
-            tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-            prompts = [tok.encode(p) for p in prompts]
-    model.eval()
+    model = _hf_model(model_path, dtype)
+    if isinstance(prompts[0], str):
+        if os.path.isdir(model_path):
+            tok = AutoTokenizer.from_pretrained(model_path)
+        else:
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+        prompts = [tok.encode(p) for p in prompts]
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError("compare-hf: prompts must have one length (static batch without padding)")
@@ -156,7 +154,42 @@ def run_latency(args, config) -> dict:
         "e2e_s_mean": statistics.mean(e2es), "decode_tokens_per_s": 1.0 / statistics.mean(tpots),
         "prompt_tokens_per_s": args.input_len / statistics.mean(ttfts), "machine": machine_info(),
     }
+    if args.compare_hf:
+        hf = run_hf_latency(engine.model_path, engine.dtype, prompts[1:], args.output_len)
+        result["hf"] = hf
+        result["decode_tokens_per_s_ratio_vs_hf"] = result["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
     return result
+
+
+def run_hf_latency(model_path: str, dtype: torch.dtype, prompts: list, output_len: int) -> dict:
+    """HF transformers `generate`, one prompt at a time: TTFT (1 new token) and the decode rate."""
+    model = _hf_model(model_path, dtype)
+    ttfts, tpots = [], []
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, **kwargs)  # warm-up
+        for p in prompts:
+            ids = torch.tensor([p])
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+            total = time.perf_counter() - start
+            ttfts.append(ttft)
+            tpots.append((total - ttft) / max(output_len - 1, 1))
+    return {"engine": f"transformers {__import__('transformers').__version__} generate",
+            "dtype": str(dtype).removeprefix("torch."), "ttft_s_mean": statistics.mean(ttfts),
+            "tpot_s_mean": statistics.mean(tpots), "decode_tokens_per_s": 1.0 / statistics.mean(tpots)}
+
+
+def _hf_model(model_path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(model_path):
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    d, f = os.path.split(model_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
 
 
 # ---- serve ---------------------------------------------------------------------------------------
@@ -261,6 +294,7 @@ def register(sub, add_engine_args, engine_config_from_args) -> None:
                            help="make the first N prompt tokens common to all prompts (prefix caching)")
         if mode == "latency":
             m.add_argument("--num-iters", type=int, default=3)
+            m.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")
         if mode == "serve":
             m.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
             m.add_argument("--base-url", default="http://127.0.0.1:8000")
