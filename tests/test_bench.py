@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
-import time
 
 import pytest
-import uvicorn
-from test_server import _free_port
+from live_server import start_server
 
 from pagedserve.bench import random_prompts, run_serve
 from pagedserve.cli import main
@@ -52,20 +49,10 @@ def test_bench_serve_against_a_live_server(tmp_path):
     from pagedserve.config import EngineConfig
     from pagedserve.engine.engine import LLMEngine
     from pagedserve.server.api_server import build_app
-    from pagedserve.server.cli_commands import GracefulServer
 
-    app = build_app(LLMEngine(EngineConfig(dtype="float32")), log_interval_s=0)
-    port = _free_port()
-    srv = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
-                         app.state.async_engine)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.time() < deadline
-        time.sleep(0.05)
+    srv, thread, url = start_server(build_app(LLMEngine(EngineConfig(dtype="float32")), log_interval_s=0))
     try:
-        args = argparse.Namespace(base_url=f"http://127.0.0.1:{port}", served_model=None, api_key=None,
+        args = argparse.Namespace(base_url=url, served_model=None, api_key=None,
                                   num_prompts=6, input_len=12, output_len=5, seed=0,
                                   request_rate=float("inf"), max_concurrency=3)
         r = run_serve(args)

@@ -8,14 +8,12 @@ import time
 
 import httpx
 import pytest
-import uvicorn
-from test_server import _free_port
+from live_server import start_server
 from test_trace_browser import ARTIFACTS, _errors_box, _run_chromium
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import LLMEngine
 from pagedserve.server.api_server import build_app
-from pagedserve.server.cli_commands import GracefulServer
 
 pytestmark = pytest.mark.slow
 
@@ -23,17 +21,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server():
     engine = LLMEngine(EngineConfig(dtype="float32", keep_block_tables=True, max_num_batched_tokens=64))
-    app = build_app(engine, log_interval_s=0)
-    port = _free_port()
-    srv = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
-                         app.state.async_engine)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}"
+    srv, thread, url = start_server(build_app(engine, log_interval_s=0))
+    yield engine, url
     srv.should_exit = True
     thread.join(30)
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 openai = pytest.importorskip("openai")
+
+from live_server import start_server  # noqa: E402
 
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.engine import LLMEngine  # noqa: E402
@@ -25,12 +25,6 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Live:
@@ -49,17 +43,8 @@ class _Live:
 def live():
     engine = LLMEngine(EngineConfig(dtype="float32"))
     app = build_app(engine, api_key=API_KEY, log_interval_s=1.0)
-    port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=5)
-    server = GracefulServer(config, app.state.async_engine)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    live = _Live(engine, server, thread, f"http://127.0.0.1:{port}")
+    server, thread, url = start_server(app, timeout_graceful_shutdown=5)
+    live = _Live(engine, server, thread, url)
     yield live
     live.stop()
     assert not thread.is_alive()

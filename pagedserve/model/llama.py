@@ -119,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still store a copy
-            self._copy(params, name if name.startswith("lm_head") else name, tensor, loaded)
+            self._copy(params, name, tensor, loaded)
         missing = set(params) - loaded
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")

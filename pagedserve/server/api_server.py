@@ -436,17 +436,21 @@ async def _guarded(events: AsyncIterator[str], run: _Run) -> AsyncIterator[str]:
     yield _sse("[DONE]")
 
 
+def _sse_chunk(rid: str, obj: str, created: int, model: str, choices: list[dict], usage: dict | None) -> str:
+    """One stream chunk in OpenAI's shape; `usage` only on the last one (stream_options.include_usage)."""
+    d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        d["usage"] = usage
+    return _sse(d)
+
+
 def _stream_completion(run: _Run, body: CompletionRequest, base: str, created: int, model: str,
                        index_of: dict[str, int], prompts: list[dict], echo: list[str]) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
         deltas = _Deltas()
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            d = {"id": base, "object": "text_completion", "created": created, "model": model,
-                 "choices": choices}
-            if usage is not None:
-                d["usage"] = usage
-            return _sse(d)
+            return _sse_chunk(base, "text_completion", created, model, choices, usage)
 
         if echo:
             for i in index_of.values():
@@ -479,11 +483,7 @@ def _stream_chat(run: _Run, body: ChatCompletionRequest, rid: str, created: int,
         deltas = _Deltas()
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": choices}
-            if usage is not None:
-                d["usage"] = usage
-            return _sse(d)
+            return _sse_chunk(rid, "chat.completion.chunk", created, model, choices, usage)
 
         for j in range(body.n):
             yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
