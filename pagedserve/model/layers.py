@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -66,6 +67,42 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+# Rows above which a bf16 matmul is done in float32 on CPUs without native bf16 math (AVX2 only): there
+# the bf16 GEMM is emulated and ~3x slower than float32 once compute-bound, while for a few rows
+# (decode of few sequences) it is memory-bound and bf16's halved weight traffic wins ~3x.
+BF16_EMULATED_MAX_ROWS = 16
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except bf16 on a CPU without native bf16 with many rows: upcast, multiply, round back.
+
+    Both routes take bf16 inputs and accumulate in float32, so they agree up to summation order.
+    """
+    if (
+        weight.dtype == torch.bfloat16
+        and x.shape[0] > BF16_EMULATED_MAX_ROWS
+        and x.device.type == "cpu"
+        and not cpu_has_native_bf16()
+    ):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

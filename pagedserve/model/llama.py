@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear, silu_and_mul
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -25,8 +25,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rope, kv_cache, backend: AttentionBackend, meta: AttentionMetadata):
@@ -42,8 +42,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -69,7 +69,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
 
@@ -94,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
             x = x[logits_indices]
         x = self.norm(x)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(x, weight).float()
+        return linear(x, weight).float()
 
     # ---- weights -------------------------------------------------------------------------------
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
