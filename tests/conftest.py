@@ -9,6 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Many engines are built on the bundled model: dequantize its GGUF once per test process.
+os.environ.setdefault("PAGEDSERVE_KEEP_DEQUANTIZED", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -97,7 +97,12 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
     elif path.endswith(".gguf"):
-        cfg, weights = _dequantized_gguf(path, os.stat(path).st_mtime_ns)
+        if os.environ.get(KEEP_DEQUANTIZED_ENV) == "1":
+            cfg, weights = _dequantized_gguf(path, os.stat(path).st_mtime_ns)
+        else:  # stream: a server should not keep a float32 copy of every weight alive
+            reader = _gguf_reader(path)
+            cfg = gguf_config(reader)
+            weights = iter_gguf_tensors(reader, cfg)
     else:
         raise ValueError(f"model: {path!r} is neither a directory with config.json nor a .gguf file")
     with torch.device("meta"):
@@ -249,10 +254,15 @@ def dequantize_gguf_tensor(tensor) -> torch.Tensor:
     return torch.from_numpy(data.reshape(shape).astype("float32"))
 
 
+# Dequantizing is the slow part of loading a GGUF (~7 s for the bundled model). With this set to 1, the
+# last file's float32 weights are kept in memory so several engines in one process (the test suite,
+# benchmarks) pay for it once; off by default, since it keeps a float32 copy of the model alive.
+KEEP_DEQUANTIZED_ENV = "PAGEDSERVE_KEEP_DEQUANTIZED"
+
+
 @functools.lru_cache(maxsize=1)
 def _dequantized_gguf(path: str, mtime_ns: int) -> tuple[ModelConfig, tuple[tuple[str, torch.Tensor], ...]]:
-    """Dequantizing is the slow part of loading a GGUF; keep the last file's float32 weights so
-    several engines in one process (tests, benchmarks) pay for it once. Weights are copied out."""
+    """The last GGUF's config and dequantized weights (weights are copied out by the model)."""
     reader = _gguf_reader(path)
     cfg = gguf_config(reader)
     return cfg, tuple(iter_gguf_tensors(reader, cfg))
