@@ -29,6 +29,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}
+        self.req_num_offered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
 
@@ -99,16 +100,20 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         # Tokens up to num_tokens have their K/V written in this step (before any read, per layer),
         # so their full blocks may be shared from now on.
+        # Each block is offered once, when it becomes full, not again at every later step.
         upto = min(num_tokens, request.num_tokens)
         hashes = self._hashes(request, upto)
         bs = self.block_size
-        for i in range(upto // bs):
+        start = self.req_num_offered.get(request.request_id, 0)
+        for i in range(start, upto // bs):
             if blocks[i].block_hash is None:
                 self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs : (i + 1) * bs]))
+        self.req_num_offered[request.request_id] = max(start, upto // bs)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its earliest (most shareable) blocks live longest."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_num_offered.pop(request.request_id, None)
         self.pool.release(list(reversed(blocks)))
 
     def forget(self, request: Request) -> None:
