@@ -103,8 +103,6 @@ class BlockPool:
         self.cached[block_hash] = block
 
     def _evict(self, block: Block) -> None:
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
         self.num_evicted += 1
         self._reset(block)
 

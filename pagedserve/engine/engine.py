@@ -166,7 +166,7 @@ class LLMEngine:
                 continue
             for s in parent.samples:
                 if not s.request.is_finished:
-                    self._finish(s.request, RequestStatus.FINISHED_ABORTED)
+                    self.scheduler.finish(s.request, RequestStatus.FINISHED_ABORTED)
                     self._count_finish(s.request, self._finished_between_steps)
             outputs.append(self.output_processor.make_output(parent))
             self._drop(parent)
@@ -216,19 +216,21 @@ class LLMEngine:
                 parent.error = f"engine error: {e}"
                 for sample in parent.samples:
                     if not sample.request.is_finished:
-                        self._finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                        self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
                         self._count_finish(sample.request, finished)
                 touched[parent.request_id] = parent
             return
         sampled = {req.request_id: tok for req, tok in zip(sampling, result.token_ids, strict=True)} if rows else {}
-        done = self.scheduler.update(sched, sampled)
+        self.scheduler.update(sched, sampled)
         now = time.time()
         for i, req in enumerate(sampling):
             parent = self.sample_to_parent[req.request_id]
             touched[parent.request_id] = parent
             self._on_token(parent, req, result.token_ids[i], result.logprobs[i], now)
-        for req in done + [r for r in sampling if r.is_finished and r not in done]:
-            self._count_finish(req, finished)
+        # Token-level stops (update) and stop strings (_on_token) both finish sampled requests only.
+        for req in sampling:
+            if req.is_finished:
+                self._count_finish(req, finished)
 
     def _on_token(self, parent: ParentState, req: Request, token: int, logprob, now: float) -> None:
         self.num_generation_tokens += 1
@@ -241,21 +243,18 @@ class LLMEngine:
         except Exception as e:  # e.g. a tokenizer failure: this request ends, the others go on
             logger.exception("output processing failed for %s", req.request_id)
             parent.error = f"output processing failed: {e}"
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             return
         if stop is None:
             return
         if not req.is_finished:
             req.stop_reason = stop
-            self._finish(req, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         elif req.status == RequestStatus.FINISHED_LENGTH:
             # The token that hit max_tokens also completed a stop string: the text was cut there, so
             # the reason is "stop" (as vLLM), not "length".
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = stop
-
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        self.scheduler.finish(req, status)
 
     def _count_finish(self, req: Request, finished: dict) -> None:
         reason = req.status.finish_reason or "abort"
@@ -293,7 +292,7 @@ class LLMEngine:
             finished=finished,
             prefix_cache_queries=self.kv_manager.prefix_queries - q0,
             prefix_cache_hits=self.kv_manager.prefix_hits - h0,
-            block_tables={s.request_id: list(s.block_table) for s in sched.scheduled} if keep else None,
+            block_tables={s.request_id: s.block_table for s in sched.scheduled} if keep else None,
         )
         self.step_records.append(rec)
         self.step_count += 1

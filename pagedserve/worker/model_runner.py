@@ -67,7 +67,5 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Logits [num_sampling_requests, vocab] and which scheduled rows they belong to."""
         input_ids, positions, meta, logits_indices, sample_rows = self.prepare_inputs(out)
-        if not sample_rows:
-            logits_indices = logits_indices[:0]
         logits = self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices)
         return logits, sample_rows
