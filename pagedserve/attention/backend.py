@@ -43,7 +43,8 @@ def write_kv(
 
 
 class AttentionBackend:
-    """Base class. `forward` writes the new K/V into the cache and returns attention output [T, H, D]."""
+    """Base class. `forward` writes the new K/V into the cache (unless k and v are None: the caller wrote
+    them already) and returns attention output [T, H, D]. q's rows may be strided (a view of qkv)."""
 
     name = "base"
 

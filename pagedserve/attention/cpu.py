@@ -2,7 +2,7 @@
 
 Per step, sequences are split into two groups — decodes (one new token) and prefill chunks (several) —
 so a long prefill does not pad every decode to its length. Decodes use a small C++ kernel that reads
-K/V through the block table in place (csrc/paged_attention_cpu.cpp). Prefill chunks (and decodes when
+K/V through the block table in place (pagedserve/csrc/attention.cpp). Prefill chunks (and decodes when
 the kernel is unavailable) gather each sequence's context through its block table in one indexing op,
 and a single masked `scaled_dot_product_attention` call (GQA-aware) does the math. Index tensors and
 masks are built once per step in `prepare` and reused by every layer.
@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 from pagedserve.attention import cpu_kernels
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass(slots=True)
@@ -72,18 +75,21 @@ class BatchedGatherBackend(AttentionBackend):
         meta.prepared["groups"] = [_build_group(meta, g) for g in (decodes, prefills) if g]
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:  # None: the caller already wrote this step's K/V (the fused rotary kernel)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if "groups" not in meta.prepared:
             self.prepare(meta)
-        out = torch.empty_like(q)
+        groups = meta.prepared["groups"]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_heads, head_dim = q.shape[1], q.shape[2]
-        for g in meta.prepared["groups"]:
-            # The kernel has no sliding window: windowed models take the gather path.
-            use_kernel = self.kernel is not None and q.device.type == "cpu" and meta.sliding_window is None
+        # The kernel has no sliding window: windowed models take the gather path.
+        use_kernel = self.kernel is not None and q.device.type == "cpu" and meta.sliding_window is None
+        for g in groups:
             if g.is_decode and use_kernel:
-                out[g.out_rows] = self.kernel.paged_decode_attention(
-                    q[g.out_rows], k_cache, v_cache, g.block_tables, g.seq_lens, scale
-                )
+                # Reads each query row of q in place and writes its output row of `out`; a batch of only
+                # decodes needs no row index at all.
+                rows = _NO_ROWS if len(groups) == 1 else g.out_rows
+                self.kernel.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, rows, out, scale)
                 continue
             G, max_q = g.token_index.shape
             keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]

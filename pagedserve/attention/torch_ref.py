@@ -21,8 +21,9 @@ class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if k is not None:  # None: the caller already wrote this step's K/V
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
         start = 0

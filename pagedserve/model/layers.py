@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -57,13 +58,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Looked up once per step and shared by every layer: [T, 1, head_dim/2] each."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """Looked up once per step and shared by every layer: [T, head_dim/2] each, float32."""
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary on [T, heads, D], computed in float32 and cast back."""
     half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [T, 1, half]: broadcast over heads
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
@@ -100,8 +102,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+@functools.cache
+def onednn_packing_available() -> bool:
+    """oneDNN (mkldnn) can pre-pack bf16 weights for its AMX / AVX512-BF16 matmul kernels."""
+    return (
+        cpu_has_native_bf16()
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and os.environ.get("PAGEDSERVE_NO_PACK") != "1"
+    )
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
+    """The weight reordered once into oneDNN's blocked layout, or None where that does not apply.
+
+    F.linear on a plain bf16 weight makes oneDNN reorder the whole weight at every call; packed once,
+    a decode-sized matmul runs about twice as fast (memory-bound GEMV) and gives the same numbers.
+    """
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not onednn_packing_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Linear):
+    packed: torch.Tensor | None = None  # set by pack(); the plain weight stays the source of truth
+
+    def pack(self, batch_hint: int) -> None:
+        self.packed = pack_weight(self.weight, batch_hint)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -14,7 +14,16 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear, silu_and_mul
+from pagedserve.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    linear,
+    pack_weight,
+    packed_linear,
+    silu_and_mul,
+)
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -29,8 +38,16 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, rope, kv_cache, backend: AttentionBackend, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x, rope, kv_cache, backend: AttentionBackend, meta: AttentionMetadata, kernels=None):
+        qkv = self.qkv_proj(x)
+        if kernels is not None:
+            # One pass: rotary on q and k in place inside qkv, and K/V written into the paged cache.
+            kernels.rotary_write_kv(qkv, rope[0], rope[1], kv_cache[0], kv_cache[1], meta.slot_mapping,
+                                    self.num_heads, self.num_kv_heads)
+            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            out = backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale)
+            return self.o_proj(out.view(-1, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -45,8 +62,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, kernels=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = kernels.silu_and_mul(gate_up) if kernels is not None else silu_and_mul(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -57,9 +76,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, backend, meta, kernels=None):
+        """Returns (x, residual): with kernels, the residual add is deferred into the next fused norm
+        (vLLM's scheme, the layer's output is x + residual); without, residual stays None."""
+        if kernels is None:
+            x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, meta)
+            return x + self.mlp(self.post_attention_layernorm(x)), None
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps)
+        else:
+            kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        x = self.self_attn(x, rope, kv_cache, backend, meta, kernels)
+        kernels.fused_add_rms_norm(x, residual, ln2.weight, ln2.eps)
+        return self.mlp(x, kernels), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -70,6 +100,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None
+        # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU), set by the engine; None: plain PyTorch.
+        self.kernels = None
         positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
 
@@ -88,13 +121,31 @@ class LlamaForCausalLM(nn.Module):
         backend.prepare(meta)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions)
+        kernels = self.kernels if x.device.type == "cpu" else None
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, backend, meta)
+            x, residual = layer(x, residual, rope, kv_cache, backend, meta, kernels)
+        if residual is not None:
+            x = x + residual
         if logits_indices is not None:
             x = x[logits_indices]
-        x = self.norm(x)
+        x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
+        if self.lm_head_packed is not None and x.dtype == torch.bfloat16:
+            return packed_linear(x, self.lm_head_packed).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(x, weight).float()
+
+    def pack_weights(self, batch_hint: int = 128) -> bool:
+        """Pre-pack every matmul weight for oneDNN where the CPU has native bf16 (see layers.pack_weight).
+
+        Returns whether anything was packed. The plain weights are kept (embedding lookup, fallbacks).
+        """
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack(batch_hint)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_packed = pack_weight(weight, batch_hint)
+        return self.lm_head_packed is not None
 
     # ---- weights -------------------------------------------------------------------------------
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,316 @@
+// Decode attention straight from the paged KV cache, on the CPU.
+//
+// One query token per sequence. Keys and values are read in place through the block table (no
+// gathered copy of the context). A task is one (sequence, kv head, group of up to 8 query heads): each
+// K/V row it reads serves every query head of the GQA group. Softmax is exact (max-subtracted, float32).
+//
+// With AVX-512 the query heads' dot products and the V accumulation stay in registers (templated on the
+// group size); without it (AVX2 or older CPUs) the portable `legacy` kernel runs.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace pagedserve {
+namespace legacy {
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+constexpr int64_t kMaxGroup = 8;
+#endif
+
+// scores[g * S + j] = q_g · k_j for every query head g of the group: the K row is loaded once for all
+// of them, and the group's dot products run as independent FMA chains.
+template <typename T>
+inline void group_dots(const float* qb, const T* krow, int64_t group, int64_t D, float scale, float* out,
+                       int64_t stride) {
+#ifdef __AVX2__
+  if (D % 8 == 0 && group <= kMaxGroup) {
+    __m256 acc[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = load8(krow + d);
+      for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + g * D + d), kv, acc[g]);
+    }
+    for (int64_t g = 0; g < group; ++g) out[g * stride] = hsum8(acc[g]) * scale;
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qv = qb + g * D;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += qv[d] * to_f(krow[d]);
+    out[g * stride] = dot * scale;
+  }
+}
+
+template <typename T>
+void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                   const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                   int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = H / KVH;
+  const int64_t row = KVH * D;              // elements per token slot in a block
+  const int64_t block_stride = block_size * row;
+  // One task per sequence: each token's K (and V) row of all kv heads is read once, contiguously.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(H * D);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t S = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      scores.resize(H * S);
+      const float* qb = q + b * H * D;
+      // Walk the block table block by block (no division per token); head h's scores are row h.
+      for (int64_t j0 = 0; j0 < S; j0 += block_size) {
+        const T* base = k_cache + table[j0 / block_size] * block_stride;
+        const int64_t n = std::min(block_size, S - j0);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+            group_dots(qb + kvh * group * D, base + t * row + kvh * D, group, D, scale,
+                       scores.data() + kvh * group * S + j0 + t, S);
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        // Start from a real score, not -inf: the kernel is built with -ffast-math (vector expf).
+        float* sc = scores.data() + h * S;
+        float m = sc[0];
+        for (int64_t j = 1; j < S; ++j) m = std::max(m, sc[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < S; ++j) {
+          sc[j] = expf(sc[j] - m);
+          sum += sc[j];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < S; ++j) sc[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j0 = 0; j0 < S; j0 += block_size) {
+        const T* base = v_cache + table[j0 / block_size] * block_stride;
+        const int64_t n = std::min(block_size, S - j0);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t h = 0; h < H; ++h) {
+            const T* vrow = base + t * row + (h / group) * D;
+            const float p = scores[h * S + j0 + t];
+            float* a = acc.data() + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vrow[d]);
+          }
+        }
+      }
+      std::copy(acc.begin(), acc.end(), out + b * H * D);
+    }
+  });
+}
+
+}  // namespace legacy
+}  // namespace pagedserve
+
+namespace pagedserve {
+namespace {
+
+constexpr int64_t kMaxGroupChunk = 8;
+constexpr int64_t kMaxHeadDim = 512;
+
+#ifdef PAGEDSERVE_AVX512
+// sc[g * S + j] = qf_g . k_j for the G heads of one chunk (q already scaled).
+template <int G, typename SC>
+void scores_pass(const float* qf, const SC* kc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
+                 int64_t D, float* sc) {
+  for (int64_t j0 = 0; j0 < S; j0 += BS) {
+    const SC* base = kc + table[j0 / BS] * BS * row;
+    const int64_t n = std::min(BS, S - j0);
+    for (int64_t t = 0; t < n; ++t) {
+      const SC* k = base + t * row;
+      __m512 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 kv = load16(k + d);
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), kv, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) sc[g * S + j0 + t] = _mm512_reduce_add_ps(acc[g]);
+    }
+  }
+}
+
+// out_g[c : c + 16 * NV] = sum_j p_g[j] * v_j[c : c + 16 * NV], accumulated in registers.
+template <int G, int NV, typename SC, typename SQ>
+void pv_chunk(const float* sc, const SC* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row, int64_t D,
+              int64_t c, SQ* out) {
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < NV; ++k) acc[g][k] = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < S; j0 += BS) {
+    const SC* base = vc + table[j0 / BS] * BS * row + c;
+    const int64_t n = std::min(BS, S - j0);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 v[NV];
+      for (int k = 0; k < NV; ++k) v[k] = load16(base + t * row + 16 * k);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(sc[g * S + j0 + t]);
+        for (int k = 0; k < NV; ++k) acc[g][k] = _mm512_fmadd_ps(p, v[k], acc[g][k]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < NV; ++k) store16(out + g * D + c + 16 * k, acc[g][k]);
+}
+
+template <int G, typename SC, typename SQ>
+void attend_chunk(const float* qf, const SC* kc, const SC* vc, const int64_t* table, int64_t S, int64_t BS,
+                  int64_t row, int64_t D, std::vector<float>& sc, SQ* out) {
+  sc.resize(G * S);
+  scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data());
+  for (int g = 0; g < G; ++g) {
+    float* r = sc.data() + g * S;
+    float m = r[0];  // a real score, not -inf: the kernels are built with -ffast-math
+    for (int64_t j = 1; j < S; ++j) m = std::max(m, r[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < S; ++j) {
+      r[j] = expf(r[j] - m);
+      sum += r[j];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < S; ++j) r[j] *= inv;
+  }
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) pv_chunk<G, 4>(sc.data(), vc, table, S, BS, row, D, c, out);
+  switch ((D - c) / 16) {
+    case 3: pv_chunk<G, 3>(sc.data(), vc, table, S, BS, row, D, c, out); break;
+    case 2: pv_chunk<G, 2>(sc.data(), vc, table, S, BS, row, D, c, out); break;
+    case 1: pv_chunk<G, 1>(sc.data(), vc, table, S, BS, row, D, c, out); break;
+    default: break;
+  }
+}
+
+template <typename SC, typename SQ>
+void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC* kc, const SC* vc,
+                   const int64_t* block_tables, int64_t bt_stride, const int64_t* seq_lens, SQ* out,
+                   int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
+  const int64_t group = H / KVH;
+  const int64_t chunks = (group + kMaxGroupChunk - 1) / kMaxGroupChunk;
+  const int64_t row = KVH * D;
+  at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> sc;
+    alignas(64) float qf[kMaxGroupChunk * kMaxHeadDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (KVH * chunks), kvh = (item / chunks) % KVH, ch = item % chunks;
+      const int64_t h0 = kvh * group + ch * kMaxGroupChunk;
+      const int64_t G = std::min(kMaxGroupChunk, group - ch * kMaxGroupChunk);
+      const int64_t r = rows ? rows[b] : b;
+      const SQ* qs = q + r * q_stride + h0 * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = Elem<SQ>::load(qs[i]) * scale;
+      const int64_t* table = block_tables + b * bt_stride;
+      const int64_t S = seq_lens[b];
+      SQ* o = out + (r * H + h0) * D;
+      const SC* k = kc + kvh * D;
+      const SC* v = vc + kvh * D;
+      switch (G) {
+        case 1: attend_chunk<1>(qf, k, v, table, S, BS, row, D, sc, o); break;
+        case 2: attend_chunk<2>(qf, k, v, table, S, BS, row, D, sc, o); break;
+        case 3: attend_chunk<3>(qf, k, v, table, S, BS, row, D, sc, o); break;
+        case 4: attend_chunk<4>(qf, k, v, table, S, BS, row, D, sc, o); break;
+        case 5: attend_chunk<5>(qf, k, v, table, S, BS, row, D, sc, o); break;
+        case 6: attend_chunk<6>(qf, k, v, table, S, BS, row, D, sc, o); break;
+        case 7: attend_chunk<7>(qf, k, v, table, S, BS, row, D, sc, o); break;
+        default: attend_chunk<8>(qf, k, v, table, S, BS, row, D, sc, o); break;
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+// q: [T, H, D] (float32 or bf16; rows may be strided, heads contiguous), caches: [num_blocks, block_size,
+// KVH, D] float32 or bfloat16, block_tables: [B, max_blocks] int64, seq_lens: [B] int64 (context length
+// including the new token), rows: [B] int64 token index of each sequence's query in q (empty: row b),
+// out: [T, H, D] contiguous, q's dtype; rows of out not named by `rows` are left untouched.
+void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows,
+                            torch::Tensor out, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode_attention: q must be [T, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: caches must be contiguous [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: out must be contiguous, shaped and typed like q");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous() &&
+                  rows.scalar_type() == torch::kInt64 && rows.is_contiguous(),
+              "paged_decode_attention: block_tables, seq_lens and rows must be contiguous int64");
+  const int64_t B = block_tables.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_decode_attention: head shapes do not match");
+  TORCH_CHECK(seq_lens.numel() == B && (rows.numel() == B || (rows.numel() == 0 && q.size(0) == B)),
+              "paged_decode_attention: seq_lens/rows must have one entry per sequence");
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* rw = rows.numel() ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; b < B; ++b) {  // a bad table must raise, never read outside the cache
+    TORCH_CHECK(sl[b] >= 1 && sl[b] <= block_tables.size(1) * BS, "paged_decode_attention: bad seq_len ", sl[b]);
+    TORCH_CHECK(!rw || (rw[b] >= 0 && rw[b] < q.size(0)), "paged_decode_attention: bad row ", rw ? rw[b] : 0);
+    for (int64_t j = 0; j < (sl[b] + BS - 1) / BS; ++j) {
+      const int64_t id = bt[b * block_tables.size(1) + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode_attention: block id ", id, " is outside the cache");
+    }
+  }
+#ifdef PAGEDSERVE_AVX512
+  if (D % 16 == 0 && D <= kMaxHeadDim) {
+    const float sc = static_cast<float>(scale);
+    dispatch_float_bf16(q, "paged_decode_attention", [&]<typename SQ>() {
+      dispatch_float_bf16(k_cache, "paged_decode_attention", [&]<typename SC>() {
+        decode_avx512<SC, SQ>(ptr<SQ>(q), q.stride(0), rw, ptr<SC>(k_cache), ptr<SC>(v_cache), bt,
+                              block_tables.size(1), sl, ptr<SQ>(out), B, H, KVH, D, BS, sc);
+      });
+    });
+    return;
+  }
+#endif
+  // Portable kernel: float32 queries gathered contiguously, results scattered back.
+  auto qf = (rw ? q.index_select(0, rows) : q).to(torch::kFloat32).contiguous();
+  auto res = torch::empty({B, H, D}, qf.options());
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    legacy::decode_kernel<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, sl,
+                                 res.data_ptr<float>(), B, H, KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    legacy::decode_kernel<c10::BFloat16>(qf.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
+                                         v_cache.data_ptr<c10::BFloat16>(), bt, sl, res.data_ptr<float>(), B, H, KVH,
+                                         D, BS, block_tables.size(1), static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: cache dtype must be float32 or bfloat16");
+  }
+  if (rw) {
+    out.index_copy_(0, rows, res.to(out.scalar_type()));
+  } else {
+    out.copy_(res);
+  }
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,28 @@
+// Python bindings of pagedserve's CPU kernels (built at first use by pagedserve/attention/cpu_kernels.py).
+#include <torch/extension.h>
+
+namespace pagedserve {
+void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                            torch::Tensor seq_lens, torch::Tensor rows, torch::Tensor out, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
+void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t H, int64_t KVH);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+}  // namespace pagedserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
+        "decode attention over a paged KV cache, written into out's rows");
+  m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm of [T, H] rows");
+  m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
+  m.def("rotary_write_kv", &pagedserve::rotary_write_kv, "rotary on q/k in place + K/V into the paged cache");
+  m.def("silu_and_mul", &pagedserve::silu_and_mul, "SwiGLU: silu(gate) * up");
+  m.def("has_avx512", []() {
+#ifdef __AVX512F__
+    return true;
+#else
+    return false;
+#endif
+  });
+}
