@@ -39,7 +39,8 @@ def profile_decode(engine: LLMEngine, batch: int, input_len: int, out) -> None:
 def main() -> None:
     engine = LLMEngine(EngineConfig(dtype=os.environ.get("PAGEDSERVE_DTYPE", "auto")))
     with open(sys.argv[1], "w") as out:
-        out.write(f"dtype {engine.dtype}; attention decode path: {'C++ kernel' if engine.runner.backend.kernel else 'gather + SDPA'}\n")
+        path = "C++ kernel" if engine.runner.backend.kernel else "gather + SDPA"
+        out.write(f"dtype {engine.dtype}; attention decode path: {path}\n")
         profile_decode(engine, 128, 128, out)  # W1
         profile_decode(engine, 1, 32, out)  # W2
 

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from pagedserve.attention import cpu_kernels
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
 
-
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
