@@ -109,7 +109,7 @@ MIXES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
-                         [(8, 2, 32, 4), (4, 4, 16, 16), (6, 1, 64, 8)])
+                         [(8, 2, 32, 4), (4, 4, 16, 16), (6, 1, 64, 8), (12, 1, 80, 16)])
 def test_backend_matches_reference(backend, dtype, mix, heads, kv_heads, head_dim, block_size):
     # trial 0: full causal attention; 1 and 2: a sliding window (1 = only the token itself); 2 and 3 share
     # prefix blocks between sequences.

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedserve.attention import cpu_kernels
 from pagedserve.attention.backend import AttentionMetadata, get_backend
 from pagedserve.model.loader import LoadedModel, load_model
 from pagedserve.worker.kv_cache import allocate_kv_cache
 
-BACKENDS = ("torch_ref", "batched")
+# "fused": the batched backend plus the C++ fused norm / rotary+KV-write / SwiGLU kernels (as the engine
+# runs it on the CPU); "batched" alone keeps the model's pure-PyTorch layer code.
+BACKENDS = ("torch_ref", "batched", "fused")
 TOL = 1e-4
 VOCAB = 256
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -25,9 +28,13 @@ class PagedSequences:
     sequences grow, so every block table is non-contiguous and the sequences' blocks interleave."""
 
     def __init__(self, lm: LoadedModel, backend: str, num_seqs: int, block_size: int = 4,
-                 num_blocks: int = 96, seed: int = 0) -> None:
-        self.lm, self.backend, self.block_size = lm, get_backend(backend), block_size
-        self.kv = allocate_kv_cache(lm.config, num_blocks, block_size, torch.float32)
+                 num_blocks: int = 96, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        self.lm, self.block_size = lm, block_size
+        self.backend = get_backend("batched" if backend == "fused" else backend)
+        self.kernels = cpu_kernels.load() if backend == "fused" else None
+        if backend == "fused":
+            assert self.kernels is not None, "the C++ kernels must build here"
+        self.kv = allocate_kv_cache(lm.config, num_blocks, block_size, dtype)
         # Garbage in unused slots must never be read: fill the cache with large values first.
         for k, v in self.kv:
             k.normal_(0, 100.0)
@@ -57,6 +64,7 @@ class PagedSequences:
         qsl = torch.tensor([0] + query_lens).cumsum(0)
         meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(seq_lens), qsl, query_lens,
                                  seq_lens, self.block_size)
+        self.lm.model.kernels = self.kernels  # the fixture's model is shared between backends
         with torch.inference_mode():
             return self.lm.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta,
                                  None if all_logits else qsl[1:] - 1)
@@ -252,3 +260,35 @@ def test_bundled_greedy_matches_transformers(llm_fp32, hf_bundled):
         assert got[: len(expected)] == expected, tok.decode(x)
         if len(expected) < 32:
             assert expected[-1] in (hf.generation_config.eos_token_id, tok.eos_token_id)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_bf16_fast_path_is_as_close_to_float32_as_transformers_bf16(arch, tmp_path):
+    """bf16 cannot match float32 exactly; the fast path (packed oneDNN weights where the CPU has native
+    bf16, the fused kernels, the decode kernel) must stay as close to the float32 reference as
+    transformers' own bf16 model does, over a prefill and a few decode steps."""
+    import copy
+
+    hf = _build_hf(arch)
+    hf.save_pretrained(tmp_path)
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    lm = load_model(str(tmp_path), "bfloat16")
+    lm.model.pack_weights(8)
+    prompts = _prompts((9, 14, 4), seed=7)
+    for backend in ("torch_ref", "fused"):
+        run = PagedSequences(lm, backend, len(prompts), dtype=torch.bfloat16, seed=8)
+        seqs = [list(p) for p in prompts]
+        logits = run.step(prompts)
+        for step in range(4):
+            for i, s in enumerate(seqs):
+                exact = _hf_logits(hf, s)[-1]
+                with torch.no_grad():
+                    theirs = hf_bf16(torch.tensor([s])).logits[0, -1].float()
+                ours = logits[i]
+                err_ours = (ours - exact).abs().max().item()
+                err_theirs = (theirs - exact).abs().max().item()
+                assert err_ours <= 2 * err_theirs + 0.005, (backend, step, i, err_ours, err_theirs)
+            nxt = [int(_hf_logits(hf, s)[-1].argmax()) for s in seqs]
+            for s, t in zip(seqs, nxt, strict=True):
+                s.append(t)
+            logits = run.step([[t] for t in nxt])

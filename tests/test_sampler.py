@@ -206,3 +206,24 @@ def test_logprobs_are_of_the_raw_distribution_not_the_penalised_one():
     out = Sampler()(logits, [r])
     assert out.token_ids == [1]
     assert out.logprobs[0][0] == pytest.approx(float(logits.log_softmax(-1)[0, 1]), abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_with_kernels_matches_the_general_path(dtype):
+    """With the C++ kernels, plain greedy rows take an argmax on the model's own logits; anything that
+    adjusts or reports (min_tokens, penalties, logprobs) still goes through the float32 path."""
+    from pagedserve.attention import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    assert kernels is not None
+    logits = random_logits(4, seed=5, vocab=300).to(dtype)
+    plain = [req(str(i), temperature=0) for i in range(4)]
+    fast = Sampler(kernels=kernels)(logits, plain)
+    assert fast.token_ids == Sampler()(logits, plain).token_ids == logits.float().argmax(-1).tolist()
+    # min_tokens bans EOS (token 0 here) even where it is the argmax, on the kernel-equipped sampler too
+    logits[1, 0] = 100.0
+    mixed = [req("a", temperature=0), req("b", temperature=0, min_tokens=2), req("c", temperature=0, logprobs=2),
+             req("d", temperature=0, repetition_penalty=1.5, outputs=(7,))]
+    out = Sampler(kernels=kernels)(logits, mixed)
+    assert out.token_ids == Sampler()(logits, mixed).token_ids
+    assert out.token_ids[1] != 0 and out.logprobs[2] is not None

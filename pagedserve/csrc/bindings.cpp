@@ -9,6 +9,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t H, int64_t KVH);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor logits);
+bool has_bf16_gemv();
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,6 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
   m.def("rotary_write_kv", &pagedserve::rotary_write_kv, "rotary on q/k in place + K/V into the paged cache");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "SwiGLU: silu(gate) * up");
+  m.def("argmax_rows", &pagedserve::argmax_rows, "first argmax of each row (greedy sampling)");
+  m.def("has_bf16_gemv", &pagedserve::has_bf16_gemv, "whether gemv_bf16 is built (AVX512-BF16)");
+  m.def("gemv_bf16", &pagedserve::gemv_bf16, "x @ w.T (+ bias) for 1-4 rows of bf16, memory-bound");
   m.def("has_avx512", []() {
 #ifdef __AVX512F__
     return true;

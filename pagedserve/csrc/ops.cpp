@@ -156,3 +156,137 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 }
 
 }  // namespace pagedserve
+
+namespace pagedserve {
+namespace {
+
+// Index of the first maximum of x[0:V], as torch.argmax (inputs are finite logits).
+template <typename S>
+int64_t argmax_row(const S* x, int64_t V) {
+  int64_t start = 0, arg = 0;
+  float best = Elem<S>::load(x[0]);
+#ifdef PAGEDSERVE_AVX512
+  if (V >= 32) {
+    __m512 vbest = load16(x);
+    __m512i vidx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i vbidx = vidx;
+    const __m512i step = _mm512_set1_epi32(16);
+    int64_t i = 16;
+    for (; i + 16 <= V; i += 16) {
+      vidx = _mm512_add_epi32(vidx, step);
+      const __m512 v = load16(x + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);  // strict: each lane keeps its first max
+      vbest = _mm512_mask_mov_ps(vbest, gt, v);
+      vbidx = _mm512_mask_mov_epi32(vbidx, gt, vidx);
+    }
+    best = _mm512_reduce_max_ps(vbest);
+    const __mmask16 eq = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    arg = _mm512_mask_reduce_min_epi32(eq, vbidx);  // ties across lanes: the lowest index
+    start = i;
+  }
+#endif
+  for (int64_t i = start; i < V; ++i) {
+    const float v = Elem<S>::load(x[i]);
+    if (v > best) {
+      best = v;
+      arg = i;
+    }
+  }
+  return arg;
+}
+
+}  // namespace
+
+// logits: [R, V] float32 or bf16 with contiguous rows -> int64 [R]: greedy sampling without upcasting.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "argmax_rows: logits must be [R, V] with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1), ls = logits.stride(0);
+  auto out = torch::empty({R}, logits.options().dtype(torch::kInt64));
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch_float_bf16(logits, "argmax_rows", [&]<typename S>() {
+    const S* x = ptr<S>(logits);
+    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) op[r] = argmax_row<S>(x + r * ls, V);
+    });
+  });
+  return out;
+}
+
+}  // namespace pagedserve
+
+namespace pagedserve {
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+namespace {
+
+constexpr int64_t kMaxGemvRows = 4;
+
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for up to kMaxGemvRows rows of x, bf16 in, float32 sums.
+// Decode-sized matmuls are bound by reading w once: each 32-element chunk of a weight row is loaded
+// once and multiplied into every row of x with AVX512-BF16 pair dot products.
+template <int M>
+void gemv_rows(const uint16_t* x, int64_t xs, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t ys,
+               int64_t n0, int64_t n1, int64_t K) {
+  const int64_t K32 = K / 32 * 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* row = w + n * K;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K32; k += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * xs + k));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = _mm512_reduce_add_ps(acc[m]);
+      for (int64_t k = K32; k < K; ++k) s += Elem<uint16_t>::load(row[k]) * Elem<uint16_t>::load(x[m * xs + k]);
+      if (bias) s += Elem<uint16_t>::load(bias[n]);
+      y[m * ys + n] = Elem<uint16_t>::store(s);
+    }
+  }
+}
+
+}  // namespace
+
+bool has_bf16_gemv() { return true; }
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
+              "gemv_bf16: x and w must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 2 && w.is_contiguous() && x.size(1) == w.size(1),
+              "gemv_bf16: x [M, K] (contiguous rows) and w [N, K] (contiguous) expected");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxGemvRows, "gemv_bf16: 1 to ", kMaxGemvRows, " rows");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == w.size(0),
+                "gemv_bf16: bias must be contiguous bf16 [N]");
+  }
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* xp = ptr<uint16_t>(x);
+  const uint16_t* wp = ptr<uint16_t>(w);
+  const uint16_t* bp = has_bias ? ptr<uint16_t>(*bias) : nullptr;
+  uint16_t* yp = ptr<uint16_t>(y);
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: gemv_rows<1>(xp, xs, wp, bp, yp, N, n0, n1, K); break;
+      case 2: gemv_rows<2>(xp, xs, wp, bp, yp, N, n0, n1, K); break;
+      case 3: gemv_rows<3>(xp, xs, wp, bp, yp, N, n0, n1, K); break;
+      default: gemv_rows<4>(xp, xs, wp, bp, yp, N, n0, n1, K); break;
+    }
+  });
+  return y;
+}
+#else
+bool has_bf16_gemv() { return false; }
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(false, "gemv_bf16: this build has no AVX512-BF16");
+  return x;
+}
+#endif
+
+}  // namespace pagedserve

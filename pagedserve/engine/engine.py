@@ -41,8 +41,6 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype)
         loaded = load_model(config.model, self.dtype, config.device)
         self.model_config = loaded.config
-        if config.device == "cpu" and loaded.model.pack_weights(config.max_num_seqs):
-            logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)")
         self.model_path = loaded.path
         self.served_model_name = config.served_model_name or loaded.name
         self.tokenizer = Tokenizer(loaded.path)
@@ -69,7 +67,10 @@ class LLMEngine:
         # The fast backend brings the C++ kernels; the fused norm/rotary/SwiGLU ops ride with it, so
         # attention_backend="torch_ref" stays a pure-PyTorch reference path end to end.
         loaded.model.kernels = getattr(self.runner.backend, "kernel", None) if config.device == "cpu" else None
-        self.sampler = Sampler(config.seed)
+        if config.device == "cpu" and loaded.model.pack_weights(config.max_num_seqs, loaded.model.kernels):
+            logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)%s",
+                        "; decode-sized matmuls use the C++ GEMV" if loaded.model.lm_head_gemv else "")
+        self.sampler = Sampler(config.seed, loaded.model.kernels)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.sample_to_parent: dict[str, ParentState] = {}

@@ -128,16 +128,32 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Up to this many rows, a bf16 matmul is a GEMV bound by reading the weight once: the C++ kernel
+# (AVX512-BF16 pair dot products over the plain row-major weight) streams it faster than oneDNN.
+GEMV_MAX_ROWS = 4
+
+
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # set by pack(); the plain weight stays the source of truth
+    gemv = None  # the C++ bf16 GEMV for decode-sized inputs, where built
 
-    def pack(self, batch_hint: int) -> None:
+    def pack(self, batch_hint: int, kernels=None) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
+        self.gemv = bf16_gemv(kernels) if self.packed is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+                return self.gemv(x, self.weight, self.bias)
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+def bf16_gemv(kernels):
+    """The C++ bf16 GEMV where the kernels were built with AVX512-BF16, else None."""
+    if kernels is None or os.environ.get("PAGEDSERVE_NO_GEMV") == "1" or not kernels.has_bf16_gemv():
+        return None
+    return kernels.gemv_bf16
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,12 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import (
+    GEMV_MAX_ROWS,
     Linear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    bf16_gemv,
     linear,
     pack_weight,
     packed_linear,
@@ -101,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_gemv = None
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU), set by the engine; None: plain PyTorch.
         self.kernels = None
         positions = max_positions or cfg.max_position_embeddings
@@ -115,7 +118,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits of the rows in `logits_indices` (each sequence's last new token), or of every token."""
+        """Logits of the rows in `logits_indices` (each sequence's last new token), or of every token, in
+        the model's dtype (the sampler upcasts when it needs to)."""
         # The window is a property of the model, not of the step: the runner need not know about it.
         meta.sliding_window = self.config.sliding_window
         backend.prepare(meta)
@@ -130,21 +134,25 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
-        if self.lm_head_packed is not None and x.dtype == torch.bfloat16:
-            return packed_linear(x, self.lm_head_packed).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(x, weight).float()
+        if self.lm_head_packed is not None and x.dtype == torch.bfloat16:
+            if self.lm_head_gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+                return self.lm_head_gemv(x, weight, None)
+            return packed_linear(x, self.lm_head_packed)
+        return linear(x, weight)
 
-    def pack_weights(self, batch_hint: int = 128) -> bool:
-        """Pre-pack every matmul weight for oneDNN where the CPU has native bf16 (see layers.pack_weight).
+    def pack_weights(self, batch_hint: int = 128, kernels=None) -> bool:
+        """Pre-pack every matmul weight for oneDNN where the CPU has native bf16 (see layers.pack_weight),
+        and route decode-sized matmuls to the C++ GEMV when `kernels` has it.
 
-        Returns whether anything was packed. The plain weights are kept (embedding lookup, fallbacks).
+        Returns whether anything was packed. The plain weights are kept (embedding lookup, GEMV, fallbacks).
         """
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack(batch_hint)
+                m.pack(batch_hint, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head_packed = pack_weight(weight, batch_hint)
+        self.lm_head_gemv = bf16_gemv(kernels) if self.lm_head_packed is not None else None
         return self.lm_head_packed is not None
 
     # ---- weights -------------------------------------------------------------------------------

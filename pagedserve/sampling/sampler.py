@@ -23,10 +23,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, kernels=None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.kernels = kernels  # pagedserve's C++ CPU kernels (argmax_rows), or None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [len(requests), vocab] in the model's dtype (bf16 logits are upcast only if needed)."""
+        if self.kernels is not None and logits.device.type == "cpu" and all(map(_plain_greedy, requests)):
+            # Greedy with nothing to adjust or report: argmax straight on the model's logits.
+            return SamplerOutput(self.kernels.argmax_rows(logits).tolist(), [None] * len(requests))
         logits = logits.float()
         raw = logits
         params = [r.sampling_params for r in requests]
@@ -129,6 +134,11 @@ class Sampler:
             n = params[i].logprobs
             result[i] = (float(chosen), rank, top_ids[j, :n].tolist(), top_vals[j, :n].tolist())
         return result
+
+
+def _plain_greedy(r: Request) -> bool:
+    p = r.sampling_params
+    return p.greedy and p.logprobs is None and r.num_output_tokens >= p.min_tokens and not _has_penalty(r)
 
 
 def _has_penalty(r: Request) -> bool:
