@@ -1,20 +1,12 @@
 // Python bindings of pagedserve's CPU kernels (built at first use by pagedserve/attention/cpu_kernels.py).
-#include <torch/extension.h>
+#include "ops.h"
 
 namespace pagedserve {
-void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, torch::Tensor rows, torch::Tensor out, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
-void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t H, int64_t KVH);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor argmax_rows(torch::Tensor logits);
-bool has_bf16_gemv();
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+void bind_decode_stack(pybind11::module& m);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pagedserve::bind_decode_stack(m);
   m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
         "decode attention over a paged KV cache, written into out's rows");
   m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm of [T, H] rows");

@@ -221,6 +221,7 @@ namespace pagedserve {
 namespace {
 
 constexpr int64_t kMaxGemvRows = 4;
+constexpr int64_t kPrefetchRows = 4;  // software prefetch this many weight rows ahead
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for up to kMaxGemvRows rows of x, bf16 in, float32 sums.
 // Decode-sized matmuls are bound by reading w once: each 32-element chunk of a weight row is loaded
@@ -234,6 +235,7 @@ void gemv_rows(const uint16_t* x, int64_t xs, const uint16_t* w, const uint16_t*
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K32; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * K + k), _MM_HINT_T0);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k);
       for (int m = 0; m < M; ++m) {
         acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * xs + k));

@@ -28,6 +28,8 @@ from pagedserve.model.layers import (
 )
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+# Decode steps of up to this many sequences run all layers in one C++ call (csrc/decode_stack.cpp).
+DECODE_STACK_MAX_SEQS = 4
 
 
 class Attention(nn.Module):
@@ -106,6 +108,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_gemv = None
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU), set by the engine; None: plain PyTorch.
         self.kernels = None
+        self._stack = None  # (kv_caches, C++ DecodeStack) for few-sequence decode steps
+        self.use_decode_stack = True
         positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
 
@@ -126,11 +130,16 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions)
         kernels = self.kernels if x.device.type == "cpu" else None
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, backend, meta, kernels)
-        if residual is not None:
-            x = x + residual
+        if self._decode_stack_applies(kernels, backend, meta):
+            # A few decoding sequences: every layer in one C++ call (same kernels, same order).
+            x = self._decode_stack(kv_caches).forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
+                                                      meta.seq_lens)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, rope, kv_cache, backend, meta, kernels)
+            if residual is not None:
+                x = x + residual
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
@@ -140,6 +149,35 @@ class LlamaForCausalLM(nn.Module):
                 return self.lm_head_gemv(x, weight, None)
             return packed_linear(x, self.lm_head_packed)
         return linear(x, weight)
+
+    def _decode_stack_applies(self, kernels, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
+        return (
+            kernels is not None
+            and self.use_decode_stack
+            and hasattr(kernels, "DecodeStack")
+            and getattr(backend, "kernel", None) is not None
+            and meta.sliding_window is None
+            and meta.num_seqs <= DECODE_STACK_MAX_SEQS
+            and all(q == 1 for q in meta.query_lens)
+        )
+
+    def _decode_stack(self, kv_caches: KVCache):
+        """The C++ DecodeStack over these weights and these caches, built once per cache list."""
+        if self._stack is None or self._stack[0] is not kv_caches:
+            attn = [layer.self_attn for layer in self.layers]
+            mlp = [layer.mlp for layer in self.layers]
+            stack = self.kernels.DecodeStack(
+                [layer.input_layernorm.weight for layer in self.layers],
+                [layer.post_attention_layernorm.weight for layer in self.layers],
+                [a.qkv_proj.weight for a in attn], [a.qkv_proj.bias for a in attn],
+                [a.o_proj.weight for a in attn], [a.o_proj.bias for a in attn],
+                [m.gate_up_proj.weight for m in mlp], [m.gate_up_proj.bias for m in mlp],
+                [m.down_proj.weight for m in mlp], [m.down_proj.bias for m in mlp],
+                [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                self.config.num_heads, self.config.num_kv_heads, self.config.rms_norm_eps, attn[0].scale,
+            )
+            self._stack = (kv_caches, stack)
+        return self._stack[1]
 
     def pack_weights(self, batch_hint: int = 128, kernels=None) -> bool:
         """Pre-pack every matmul weight for oneDNN where the CPU has native bf16 (see layers.pack_weight),

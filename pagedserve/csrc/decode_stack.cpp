@@ -1,0 +1,93 @@
+// Every decoder layer of one decode step in a single call, for a few sequences (single-stream latency).
+//
+// With one to four new tokens, a step is ~10 small kernels per layer; from Python each costs more in
+// interpreter and dispatch overhead than in work. DecodeStack holds the layers' weights and caches once
+// and runs the same kernels, in the same order, as the model's fused Python path (so the two agree):
+//   norm (fused with the previous residual add) -> qkv matmul -> rotary + K/V write -> paged decode
+//   attention -> o matmul -> residual add + norm -> gate_up matmul -> SwiGLU -> down matmul.
+// Matmuls of bf16 weights use the AVX512-BF16 GEMV where built, otherwise at::linear.
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+
+namespace pagedserve {
+
+namespace {
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  if (x.scalar_type() == torch::kBFloat16 && has_bf16_gemv() && x.size(0) <= 4) {
+    return gemv_bf16(x, w, b.defined() ? c10::optional<torch::Tensor>(b) : c10::nullopt);
+  }
+  return at::linear(x, w, b.defined() ? c10::optional<torch::Tensor>(b) : c10::nullopt);
+}
+}  // namespace
+
+class DecodeStack {
+ public:
+  // One entry per layer in each list; biases may be None (undefined tensors).
+  DecodeStack(std::vector<torch::Tensor> ln1, std::vector<torch::Tensor> ln2, std::vector<torch::Tensor> w_qkv,
+              std::vector<std::optional<torch::Tensor>> b_qkv, std::vector<torch::Tensor> w_o,
+              std::vector<std::optional<torch::Tensor>> b_o, std::vector<torch::Tensor> w_gate_up,
+              std::vector<std::optional<torch::Tensor>> b_gate_up, std::vector<torch::Tensor> w_down,
+              std::vector<std::optional<torch::Tensor>> b_down, std::vector<torch::Tensor> k_caches,
+              std::vector<torch::Tensor> v_caches, int64_t num_heads, int64_t num_kv_heads, double eps,
+              double scale)
+      : ln1_(std::move(ln1)), ln2_(std::move(ln2)), w_qkv_(std::move(w_qkv)), w_o_(std::move(w_o)),
+        w_gate_up_(std::move(w_gate_up)), w_down_(std::move(w_down)), k_(std::move(k_caches)),
+        v_(std::move(v_caches)), H_(num_heads), KVH_(num_kv_heads), eps_(eps), scale_(scale) {
+    const size_t L = ln1_.size();
+    TORCH_CHECK(ln2_.size() == L && w_qkv_.size() == L && b_qkv.size() == L && w_o_.size() == L && b_o.size() == L &&
+                    w_gate_up_.size() == L && b_gate_up.size() == L && w_down_.size() == L && b_down.size() == L &&
+                    k_.size() == L && v_.size() == L,
+                "DecodeStack: every list needs one entry per layer");
+    auto unwrap = [](const std::vector<std::optional<torch::Tensor>>& v) {
+      std::vector<torch::Tensor> out;
+      for (const auto& t : v) out.push_back(t.has_value() ? *t : torch::Tensor());
+      return out;
+    };
+    b_qkv_ = unwrap(b_qkv);
+    b_o_ = unwrap(b_o);
+    b_gate_up_ = unwrap(b_gate_up);
+    b_down_ = unwrap(b_down);
+  }
+
+  // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32;
+  // slot_mapping [B]; block_tables [B, W]; seq_lens [B]. Returns the last layer's output + residual.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+                        torch::Tensor block_tables, torch::Tensor seq_lens) {
+    const int64_t B = x.size(0), D = k_[0].size(3), q_size = H_ * D;
+    static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
+    torch::Tensor residual = x;
+    torch::Tensor h = rms_norm(x, ln1_[0], eps_);
+    for (size_t l = 0; l < ln1_.size(); ++l) {
+      if (l > 0) fused_add_rms_norm(h, residual, ln1_[l], eps_);
+      torch::Tensor qkv = small_linear(h, w_qkv_[l], b_qkv_[l]);
+      rotary_write_kv(qkv, cos, sin, k_[l], v_[l], slot_mapping, H_, KVH_);
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D});
+      torch::Tensor attn = torch::empty({B, H_, D}, qkv.options());
+      paged_decode_attention(q, k_[l], v_[l], block_tables, seq_lens, no_rows, attn, scale_);
+      h = small_linear(attn.view({B, q_size}), w_o_[l], b_o_[l]);
+      fused_add_rms_norm(h, residual, ln2_[l], eps_);
+      h = small_linear(silu_and_mul(small_linear(h, w_gate_up_[l], b_gate_up_[l])), w_down_[l], b_down_[l]);
+    }
+    return h + residual;
+  }
+
+ private:
+  std::vector<torch::Tensor> ln1_, ln2_, w_qkv_, b_qkv_, w_o_, b_o_, w_gate_up_, b_gate_up_, w_down_, b_down_, k_, v_;
+  int64_t H_, KVH_;
+  double eps_, scale_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
+                          std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
+                          std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
+                          std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, int64_t, int64_t, double, double>())
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
+
+}  // namespace pagedserve
