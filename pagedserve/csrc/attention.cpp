@@ -138,12 +138,23 @@ constexpr int64_t kMaxHeadDim = 512;
 
 #ifdef PAGEDSERVE_AVX512
 // sc[g * S + j] = qf_g . k_j for the G heads of one chunk (q already scaled).
+// Blocks sit at random places in the cache, where the hardware prefetcher cannot follow: ask for the
+// next block's rows (this kv head's part) while the current one is processed.
+template <typename SC>
+inline void prefetch_block(const SC* base, int64_t n, int64_t row, int64_t D) {
+  for (int64_t t = 0; t < n; ++t) {
+    const char* p = reinterpret_cast<const char*>(base + t * row);
+    for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(SC)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
 template <int G, typename SC>
 void scores_pass(const float* qf, const SC* kc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
                  int64_t D, float* sc) {
   for (int64_t j0 = 0; j0 < S; j0 += BS) {
     const SC* base = kc + table[j0 / BS] * BS * row;
     const int64_t n = std::min(BS, S - j0);
+    if (j0 + BS < S) prefetch_block(kc + table[j0 / BS + 1] * BS * row, std::min(BS, S - j0 - BS), row, D);
     for (int64_t t = 0; t < n; ++t) {
       const SC* k = base + t * row;
       __m512 acc[G];
@@ -167,6 +178,7 @@ void pv_chunk(const float* sc, const SC* vc, const int64_t* table, int64_t S, in
   for (int64_t j0 = 0; j0 < S; j0 += BS) {
     const SC* base = vc + table[j0 / BS] * BS * row + c;
     const int64_t n = std::min(BS, S - j0);
+    if (j0 + BS < S) prefetch_block(vc + table[j0 / BS + 1] * BS * row + c, std::min(BS, S - j0 - BS), row, 16 * NV);
     for (int64_t t = 0; t < n; ++t) {
       __m512 v[NV];
       for (int k = 0; k < NV; ++k) v[k] = load16(base + t * row + 16 * k);

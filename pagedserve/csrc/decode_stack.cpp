@@ -80,7 +80,8 @@ class DecodeStack {
 };
 
 void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
+  // module_local: two builds of these kernels (native and portable) may be loaded in one process.
+  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
                           std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
