@@ -86,7 +86,7 @@ def run_throughput(args, config) -> dict:
         "num_preemptions": llm.engine.num_preemptions, "machine": machine_info(),
     }
     if args.compare_hf:
-        hf = run_hf_generate(llm.engine.model_path, llm.engine.dtype, prompts, args.output_len)
+        hf = run_hf_generate(llm.engine.model_path, _hf_dtype(args, llm.engine.dtype), prompts, args.output_len)
         result["hf"] = hf
         result["output_tokens_per_s_ratio_vs_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
     return result
@@ -155,7 +155,7 @@ def run_latency(args, config) -> dict:
         "prompt_tokens_per_s": args.input_len / statistics.mean(ttfts), "machine": machine_info(),
     }
     if args.compare_hf:
-        hf = run_hf_latency(engine.model_path, engine.dtype, prompts[1:], args.output_len)
+        hf = run_hf_latency(engine.model_path, _hf_dtype(args, engine.dtype), prompts[1:], args.output_len)
         result["hf"] = hf
         result["decode_tokens_per_s_ratio_vs_hf"] = result["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
     return result
@@ -181,6 +181,12 @@ def run_hf_latency(model_path: str, dtype: torch.dtype, prompts: list, output_le
     return {"engine": f"transformers {__import__('transformers').__version__} generate",
             "dtype": str(dtype).removeprefix("torch."), "ttft_s_mean": statistics.mean(ttfts),
             "tpot_s_mean": statistics.mean(tpots), "decode_tokens_per_s": 1.0 / statistics.mean(tpots)}
+
+
+def _hf_dtype(args, engine_dtype: torch.dtype) -> torch.dtype:
+    """--hf-dtype: "same" (the engine's dtype) or float32 / bfloat16 (e.g. to compare bf16 against fp32)."""
+    choice = getattr(args, "hf_dtype", "same")
+    return engine_dtype if choice == "same" else {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
 
 
 def _hf_model(model_path: str, dtype: torch.dtype):
@@ -290,11 +296,15 @@ def register(sub, add_engine_args, engine_config_from_args) -> None:
         if mode == "throughput":
             m.add_argument("--prompts-file", default=None, help="one prompt per line instead of random ids")
             m.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate")
+            m.add_argument("--hf-dtype", default="same", choices=["same", "float32", "bfloat16"],
+                           help="dtype of the HF run (default: the engine's)")
             m.add_argument("--shared-prefix-len", type=int, default=0,
                            help="make the first N prompt tokens common to all prompts (prefix caching)")
         if mode == "latency":
             m.add_argument("--num-iters", type=int, default=3)
             m.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")
+            m.add_argument("--hf-dtype", default="same", choices=["same", "float32", "bfloat16"],
+                           help="dtype of the HF run (default: the engine's)")
         if mode == "serve":
             m.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
             m.add_argument("--base-url", default="http://127.0.0.1:8000")

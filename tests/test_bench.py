@@ -45,6 +45,18 @@ def test_bench_latency_json(tmp_path):
     assert r["decode_tokens_per_s"] == pytest.approx(1 / r["tpot_s_mean"])
 
 
+def test_bench_latency_compare_hf_in_another_dtype(tmp_path):
+    """bf16 pagedserve against HF float32 in one run: the targets are ratios to HF's float32 rate."""
+    out = tmp_path / "lat.json"
+    rc = main(["bench", "latency", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
+               "--dtype", "bfloat16", "--compare-hf", "--hf-dtype", "float32", "--quiet", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["dtype"] == "bfloat16" and r["hf"]["dtype"] == "float32"
+    assert r["decode_tokens_per_s_ratio_vs_hf"] == pytest.approx(
+        r["decode_tokens_per_s"] / r["hf"]["decode_tokens_per_s"])
+
+
 def test_bench_serve_against_a_live_server(tmp_path):
     from pagedserve.config import EngineConfig
     from pagedserve.engine.engine import LLMEngine
