@@ -206,3 +206,32 @@ def test_bf16_gemv_equals_linear(kernels, rows, k):
         assert torch.allclose(got.float(), ref, rtol=1e-2, atol=2e-2)
     with pytest.raises(RuntimeError, match="rows"):
         kernels.gemv_bf16(torch.randn(5, k).bfloat16(), w, None)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_gguf_gemv_equals_linear_on_the_dequantized_weights(kernels, qtype, rows, dtype):
+    """The GEMV over GGUF blocks computes with exactly the weights gguf-py dequantizes (what transformers'
+    GGUF loader uses): float32 results agree to summation order."""
+    import gguf
+    import numpy as np
+
+    if not kernels.has_gguf_gemv():
+        pytest.skip("built without AVX-512")
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    g = torch.Generator().manual_seed(rows)
+    dense = torch.randn(70, 96, generator=g).numpy().astype(np.float32)
+    raw = gguf.quants.quantize(dense, kind)  # [70, 96 / 32 * block bytes] uint8
+    weights = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(70, 96).astype(np.float32))
+    blocks = torch.from_numpy(np.ascontiguousarray(raw))
+    type_id = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}[qtype]
+    bias = torch.randn(70, generator=g).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    exact = F.linear(x.float(), weights, bias.float())
+    got = kernels.gemv_gguf(x, blocks, type_id, bias)
+    assert got.dtype == dtype and got.shape == (rows, 70)
+    assert close(got, exact, dtype)
+    assert not torch.allclose(weights, torch.from_numpy(dense))  # really quantized: the blocks matter
+    with pytest.raises(RuntimeError, match="GGUF type"):
+        kernels.gemv_gguf(x, blocks, 12, None)

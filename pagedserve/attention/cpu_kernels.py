@@ -18,7 +18,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [_CSRC / "attention.cpp", _CSRC / "ops.cpp", _CSRC / "decode_stack.cpp", _CSRC / "bindings.cpp"]
+SOURCES = [_CSRC / f for f in ("attention.cpp", "ops.cpp", "gguf_gemv.cpp", "decode_stack.cpp", "bindings.cpp")]
 
 
 def _cpu_flags() -> str:

@@ -14,4 +14,6 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool has_bf16_gemv();
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+bool has_gguf_gemv();
+torch::Tensor gemv_gguf(torch::Tensor x, torch::Tensor blocks, int64_t type, c10::optional<torch::Tensor> bias);
 }  // namespace pagedserve

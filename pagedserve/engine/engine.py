@@ -70,6 +70,9 @@ class LLMEngine:
         if config.device == "cpu" and loaded.model.pack_weights(config.max_num_seqs, loaded.model.kernels):
             logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)%s",
                         "; decode-sized matmuls use the C++ GEMV" if loaded.model.lm_head_gemv else "")
+        if config.device == "cpu" and loaded.gguf_blocks and loaded.model.kernels is not None:
+            if loaded.model.attach_gguf_blocks(loaded.gguf_blocks, loaded.model.kernels):
+                logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
         self.sampler = Sampler(config.seed, loaded.model.kernels)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentState] = {}

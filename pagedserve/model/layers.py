@@ -136,17 +136,34 @@ GEMV_MAX_ROWS = 4
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # set by pack(); the plain weight stays the source of truth
     gemv = None  # the C++ bf16 GEMV for decode-sized inputs, where built
+    # (ggml type id, uint8 blocks) of a GGUF-quantized weight, and the C++ GEMV that reads them
+    qweight: tuple[int, torch.Tensor] | None = None
+    qgemv = None
 
     def pack(self, batch_hint: int, kernels=None) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
         self.gemv = bf16_gemv(kernels) if self.packed is not None else None
 
+    def attach_blocks(self, qweight: tuple[int, torch.Tensor] | None, kernels) -> None:
+        gemv = gguf_gemv(kernels)
+        self.qweight, self.qgemv = (qweight, gemv) if qweight is not None and gemv is not None else (None, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qgemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+            return self.qgemv(x, self.qweight[1], self.qweight[0], self.bias)
         if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
-            if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            if self.gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
                 return self.gemv(x, self.weight, self.bias)
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+def gguf_gemv(kernels):
+    """The C++ GEMV over GGUF Q4_0/Q4_1/Q8_0 blocks where built (AVX-512), else None.
+    PAGEDSERVE_NO_GGUF_GEMV=1 keeps decode matmuls on the widened (bf16/float32) weights."""
+    if kernels is None or os.environ.get("PAGEDSERVE_NO_GGUF_GEMV") == "1" or not kernels.has_gguf_gemv():
+        return None
+    return kernels.gemv_gguf
 
 
 def bf16_gemv(kernels):

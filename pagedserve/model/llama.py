@@ -21,6 +21,7 @@ from pagedserve.model.layers import (
     RotaryEmbedding,
     apply_rotary,
     bf16_gemv,
+    gguf_gemv,
     linear,
     pack_weight,
     packed_linear,
@@ -96,6 +97,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, kernels), residual
 
 
+def _blocks_and_types(*kinds: list[Linear]) -> list:
+    """DecodeStack's GGUF arguments: per kind of matmul, each layer's blocks (or None), then the types."""
+    blocks = [[m.qweight[1] if m.qgemv is not None else None for m in kind] for kind in kinds]
+    types = [[m.qweight[0] if m.qgemv is not None else 0 for m in kind] for kind in kinds]
+    return blocks + types
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -106,6 +114,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_gemv = None
+        self.lm_head_blocks: tuple[int, torch.Tensor] | None = None  # GGUF blocks of the LM head
+        self.lm_head_qgemv = None
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU), set by the engine; None: plain PyTorch.
         self.kernels = None
         self._stack = None  # (kv_caches, C++ DecodeStack) for few-sequence decode steps
@@ -144,8 +154,10 @@ class LlamaForCausalLM(nn.Module):
             x = x[logits_indices]
         x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head_qgemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+            return self.lm_head_qgemv(x, self.lm_head_blocks[1], self.lm_head_blocks[0], None)
         if self.lm_head_packed is not None and x.dtype == torch.bfloat16:
-            if self.lm_head_gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            if self.lm_head_gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
                 return self.lm_head_gemv(x, weight, None)
             return packed_linear(x, self.lm_head_packed)
         return linear(x, weight)
@@ -157,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
             and hasattr(kernels, "DecodeStack")
             and getattr(backend, "kernel", None) is not None
             and meta.sliding_window is None
-            and meta.num_seqs <= DECODE_STACK_MAX_SEQS
+            and 0 < meta.num_seqs <= DECODE_STACK_MAX_SEQS
             and all(q == 1 for q in meta.query_lens)
         )
 
@@ -175,9 +187,36 @@ class LlamaForCausalLM(nn.Module):
                 [m.down_proj.weight for m in mlp], [m.down_proj.bias for m in mlp],
                 [k for k, _ in kv_caches], [v for _, v in kv_caches],
                 self.config.num_heads, self.config.num_kv_heads, self.config.rms_norm_eps, attn[0].scale,
+                *_blocks_and_types([a.qkv_proj for a in attn], [a.o_proj for a in attn],
+                                   [m.gate_up_proj for m in mlp], [m.down_proj for m in mlp]),
             )
             self._stack = (kv_caches, stack)
         return self._stack[1]
+
+    def attach_gguf_blocks(self, blocks: dict[str, tuple[int, torch.Tensor]], kernels) -> bool:
+        """Let decode-sized matmuls read GGUF Q4_0/Q4_1/Q8_0 blocks (as the loader kept them, fused like
+        the weights) through the C++ GEMV. Returns whether any matmul will. Weights of mixed block
+        types in one fused matmul stay on the widened weights."""
+        blocks = {name.removeprefix("model."): v for name, v in blocks.items()}
+
+        def fused(prefix: str, parts: list[str]):
+            found = [blocks.get(f"{prefix}.{p}.weight") for p in parts]
+            if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+                return None
+            return found[0][0], torch.cat([f[1] for f in found]).contiguous()
+
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj.attach_blocks(fused(f"layers.{i}.self_attn", ["q_proj", "k_proj", "v_proj"]), kernels)
+            attn.o_proj.attach_blocks(fused(f"layers.{i}.self_attn", ["o_proj"]), kernels)
+            mlp.gate_up_proj.attach_blocks(fused(f"layers.{i}.mlp", ["gate_proj", "up_proj"]), kernels)
+            mlp.down_proj.attach_blocks(fused(f"layers.{i}.mlp", ["down_proj"]), kernels)
+        head = blocks.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+        gemv = gguf_gemv(kernels)
+        usable = head is not None and gemv is not None
+        self.lm_head_blocks, self.lm_head_qgemv = (head, gemv) if usable else (None, None)
+        self._stack = None
+        return any(m.qgemv is not None for m in self.modules() if isinstance(m, Linear))
 
     def pack_weights(self, batch_hint: int = 128, kernels=None) -> bool:
         """Pre-pack every matmul weight for oneDNN where the CPU has native bf16 (see layers.pack_weight),

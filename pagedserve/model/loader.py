@@ -88,21 +88,27 @@ class LoadedModel:
     config: ModelConfig
     path: str
     name: str
+    # GGUF weights stored as Q4_0 / Q4_1 / Q8_0 blocks, kept as read (HF name -> (ggml type id, uint8
+    # [rows, row_bytes])) so decode-sized matmuls can read them instead of the widened weights.
+    gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None
 
 
 def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
     path, name = resolve_model(model)
     torch_dtype = resolve_dtype(dtype)
+    blocks: dict[str, tuple[int, torch.Tensor]] | None = None
     if os.path.isdir(path):
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
     elif path.endswith(".gguf"):
         if os.environ.get(KEEP_DEQUANTIZED_ENV) == "1":
-            cfg, weights = _dequantized_gguf(path, os.stat(path).st_mtime_ns)
+            cfg, weights, cached_blocks = _dequantized_gguf(path, os.stat(path).st_mtime_ns)
+            blocks = dict(cached_blocks)
         else:  # stream: a server should not keep a float32 copy of every weight alive
             reader = _gguf_reader(path)
             cfg = gguf_config(reader)
-            weights = iter_gguf_tensors(reader, cfg)
+            blocks = {}
+            weights = iter_gguf_tensors(reader, cfg, blocks)
     else:
         raise ValueError(f"model: {path!r} is neither a directory with config.json nor a .gguf file")
     with torch.device("meta"):
@@ -112,7 +118,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
     net.rotary.to(device)
     net.load_hf_weights(weights)
     net.eval()
-    return LoadedModel(net, cfg, path, name)
+    return LoadedModel(net, cfg, path, name, blocks or None)
 
 
 def load_model_config(model: str | None) -> tuple[ModelConfig, str]:
@@ -261,14 +267,26 @@ KEEP_DEQUANTIZED_ENV = "PAGEDSERVE_KEEP_DEQUANTIZED"
 
 
 @functools.lru_cache(maxsize=1)
-def _dequantized_gguf(path: str, mtime_ns: int) -> tuple[ModelConfig, tuple[tuple[str, torch.Tensor], ...]]:
-    """The last GGUF's config and dequantized weights (weights are copied out by the model)."""
+def _dequantized_gguf(path: str, mtime_ns: int):
+    """The last GGUF's config, dequantized weights (copied out by the model) and kept blocks."""
     reader = _gguf_reader(path)
     cfg = gguf_config(reader)
-    return cfg, tuple(iter_gguf_tensors(reader, cfg))
+    blocks: dict[str, tuple[int, torch.Tensor]] = {}
+    weights = tuple(iter_gguf_tensors(reader, cfg, blocks))
+    return cfg, weights, tuple(blocks.items())
 
 
-def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+# GGUF block types whose blocks the C++ GEMV reads directly (name -> ggml type id).
+GGUF_GEMV_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def iter_gguf_tensors(
+    reader, cfg: ModelConfig, blocks: dict[str, tuple[int, torch.Tensor]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 weight) for every tensor; with `blocks`, also keep each Q4_0/Q4_1/Q8_0
+    tensor's raw blocks there (rows un-permuted like the weight)."""
+    import numpy as np
+
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:
@@ -276,11 +294,19 @@ def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
                 continue
             raise ValueError(f"GGUF tensor {t.name!r} is not a known Llama-family weight")
         w = dequantize_gguf_tensor(t)
+        kind = t.tensor_type.name
+        raw = None
+        if blocks is not None and kind in GGUF_GEMV_TYPES and w.dim() == 2:
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(w.shape[0], -1)
         if cfg.architecture in ("llama", "mistral"):
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
                 w = unpermute_qk(w, cfg.num_heads)
+                raw = None if raw is None else unpermute_qk(raw, cfg.num_heads)
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 w = unpermute_qk(w, cfg.num_kv_heads)
+                raw = None if raw is None else unpermute_qk(raw, cfg.num_kv_heads)
+        if raw is not None:
+            blocks[name] = (GGUF_GEMV_TYPES[kind], raw.contiguous())
         yield name, w
 
 

@@ -1,0 +1,148 @@
+// Decode-sized matmuls straight from GGUF quantized blocks (Q8_0, Q4_0, Q4_1), on the CPU.
+//
+// A GGUF model's weights *are* these blocks: the float32 weights every reference (transformers' GGUF
+// loader, gguf-py) computes with are d * q (+ m), exactly. A decode step of a few tokens is bound by
+// reading the weights, so reading 4.5-8.5 bits per weight instead of 16 (bf16) or 32 is the win. Each
+// block is widened in registers to exactly those float32 weights (the fp16 scale times a small integer
+// is exact in float32; Q4_1's + m is one rounding, as in the reference) and multiplied with float32
+// activations: the result is the float32 matmul with the dequantized weights, up to summation order.
+// (llama.cpp instead quantizes the activations to 8 bits; here they stay exact.)
+#include <ATen/Parallel.h>
+
+#include "common.h"
+
+namespace pagedserve {
+
+// GGUF block types handled here (values are ggml's type ids).
+enum GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+inline int64_t gguf_block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles
+    case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles
+    case kQ8_0: return 34;  // fp16 d, 32 int8
+    default: return 0;
+  }
+}
+
+#if defined(PAGEDSERVE_AVX512) && defined(__F16C__)
+namespace {
+
+constexpr int64_t kMaxRows = 4;
+constexpr int64_t kPrefetchRows = 2;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// The 32 weights of one block as two float32 vectors (elements 0-15 and 16-31).
+template <int64_t T>
+inline void widen_block(const uint8_t* blk, __m512& w0, __m512& w1) {
+  if constexpr (T == kQ8_0) {
+    const __m512 d = _mm512_set1_ps(half_to_float(blk));
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)), d);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
+  } else {
+    constexpr int64_t off = T == kQ4_1 ? 4 : 2;
+    const float df = half_to_float(blk);
+    const __m512 d = _mm512_set1_ps(df);
+    // Q4_0: d * (q - 8) = fma(q, d, -8d), exact; Q4_1: fma(q, d, m), one rounding like d * q + m.
+    const __m512 m = _mm512_set1_ps(T == kQ4_1 ? half_to_float(blk + 2) : -8.f * df);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+  }
+}
+
+template <int64_t T, int M, typename SY>
+void gemv_rows(const float* x, int64_t K, const uint8_t* blocks, int64_t row_bytes, const float* bias, SY* y,
+               int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t bb = T == kQ8_0 ? 34 : (T == kQ4_1 ? 20 : 18);
+  const int64_t nb = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = blocks + n * row_bytes;
+    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 w0, w1;
+      widen_block<T>(row + b * bb, w0, w1);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * K + b * 32;
+        acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m]);
+        acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = _mm512_reduce_add_ps(acc[m]);
+      if (bias) s += bias[n];
+      y[m * N + n] = Elem<SY>::store(s);
+    }
+  }
+}
+
+template <int64_t T, typename SY>
+void gemv_dispatch_rows(int64_t M, const float* x, int64_t K, const uint8_t* blocks, int64_t row_bytes,
+                        const float* bias, SY* y, int64_t N) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: gemv_rows<T, 1>(x, K, blocks, row_bytes, bias, y, N, n0, n1); break;
+      case 2: gemv_rows<T, 2>(x, K, blocks, row_bytes, bias, y, N, n0, n1); break;
+      case 3: gemv_rows<T, 3>(x, K, blocks, row_bytes, bias, y, N, n0, n1); break;
+      default: gemv_rows<T, 4>(x, K, blocks, row_bytes, bias, y, N, n0, n1); break;
+    }
+  });
+}
+
+}  // namespace
+
+bool has_gguf_gemv() { return true; }
+
+// x: [M, K] float32 or bf16 (M <= 4), blocks: [N, K / 32 * block_bytes] uint8 (one GGUF row per output),
+// bias: [N] or None. Returns [M, N] in x's dtype.
+torch::Tensor gemv_gguf(torch::Tensor x, torch::Tensor blocks, int64_t type, c10::optional<torch::Tensor> bias) {
+  const int64_t bb = gguf_block_bytes(type);
+  TORCH_CHECK(bb > 0, "gemv_gguf: unsupported GGUF type id ", type, " (Q4_0, Q4_1 and Q8_0 are)");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) % 32 == 0,
+              "gemv_gguf: x must be [1-4, K] with K a multiple of 32");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) == x.size(1) / 32 * bb,
+              "gemv_gguf: blocks must be contiguous uint8 [N, K / 32 * ", bb, "]");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  auto xf = x.to(torch::kFloat32).contiguous();
+  torch::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gemv_gguf: bias must have N entries");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const uint8_t* bl = blocks.data_ptr<uint8_t>();
+  dispatch_float_bf16(y, "gemv_gguf", [&]<typename SY>() {
+    SY* yp = ptr<SY>(y);
+    switch (type) {
+      case kQ8_0: gemv_dispatch_rows<kQ8_0>(M, xf.data_ptr<float>(), K, bl, blocks.size(1), bp, yp, N); break;
+      case kQ4_1: gemv_dispatch_rows<kQ4_1>(M, xf.data_ptr<float>(), K, bl, blocks.size(1), bp, yp, N); break;
+      default: gemv_dispatch_rows<kQ4_0>(M, xf.data_ptr<float>(), K, bl, blocks.size(1), bp, yp, N); break;
+    }
+  });
+  return y;
+}
+#else
+bool has_gguf_gemv() { return false; }
+
+torch::Tensor gemv_gguf(torch::Tensor x, torch::Tensor blocks, int64_t type, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(false, "gemv_gguf: this build has no AVX-512");
+  return x;
+}
+#endif
+
+}  // namespace pagedserve
