@@ -1,43 +1,100 @@
 """Profile one decode step of W1 (128 running sequences, 128-token prompts) and of W2 (one sequence,
 32-token prompt), by op. Usage: python benchmarks/profile_step.py OUT.txt
-(PAGEDSERVE_NO_EXTENSION=1 profiles the pure-PyTorch attention path instead of the C++ kernel)."""
+
+pagedserve's C++ kernels are pybind functions the profiler cannot see, so for the profiled step each is
+wrapped in a `record_function` named `pagedserve::<kernel>`. W2 normally runs every layer in one C++ call
+(DecodeStack); its by-op table is taken with the layer-by-layer path, and both step times are given.
+PAGEDSERVE_DTYPE=float32 profiles the float32 mode; PAGEDSERVE_NO_EXTENSION=1 the pure-PyTorch paths.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
 
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from pagedserve.bench import random_prompts
 from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import LLMEngine
+from pagedserve.model.layers import Linear
 from pagedserve.sampling_params import SamplingParams
+
+KERNELS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_write_kv", "silu_and_mul",
+           "argmax_rows", "gemv_bf16", "gemv_gguf")
+
+
+def _named(fn, name):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with record_function(f"pagedserve::{name}"):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+class _Traced:
+    """The kernels module with every kernel wrapped in a record_function."""
+
+    def __init__(self, mod) -> None:
+        self._mod = mod
+        for k in KERNELS:
+            setattr(self, k, _named(getattr(mod, k), k))
+
+    def __getattr__(self, name):
+        return getattr(self._mod, name)
+
+
+def trace_kernels(engine: LLMEngine) -> None:
+    model = engine.runner.model
+    if model.kernels is None:
+        return
+    traced = _Traced(model.kernels)
+    model.kernels = engine.sampler.kernels = engine.runner.backend.kernel = traced
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.gemv = m.gemv and traced.gemv_bf16
+            m.qgemv = m.qgemv and traced.gemv_gguf
+    model.lm_head_gemv = model.lm_head_gemv and traced.gemv_bf16
+    model.lm_head_qgemv = model.lm_head_qgemv and traced.gemv_gguf
+
+
+def time_steps(engine: LLMEngine, n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    return (time.perf_counter() - start) / n
 
 
 def profile_decode(engine: LLMEngine, batch: int, input_len: int, out) -> None:
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=64)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=200)
     for i, p in enumerate(random_prompts(batch, input_len, 0)):
         engine.add_request(f"w{batch}-{i}", {"prompt_token_ids": p}, params)
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
-    for _ in range(3):
-        engine.step()
-    start = time.perf_counter()
-    for _ in range(5):
-        engine.step()
-    step_s = (time.perf_counter() - start) / 5
+    time_steps(engine, 3)
+    model = engine.runner.model
+    step_s = time_steps(engine, 10)
+    note = ""
+    if batch <= 4 and model.kernels is not None:
+        model.use_decode_stack = False
+        time_steps(engine, 2)
+        layered_s = time_steps(engine, 10)
+        note = f" (every layer in one C++ call; layer by layer, as profiled below: {layered_s * 1000:.1f} ms)"
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
+    model.use_decode_stack = True
     out.write(f"\n== decode step, {batch} sequences (prompt {input_len}): {step_s * 1000:.1f} ms/step, "
-              f"{batch / step_s:.1f} tok/s ==\n")
-    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+              f"{batch / step_s:.1f} tok/s{note} ==\n")
+    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
     engine.abort_request(list(engine.parents))
 
 
 def main() -> None:
     engine = LLMEngine(EngineConfig(dtype=os.environ.get("PAGEDSERVE_DTYPE", "auto")))
+    trace_kernels(engine)
     with open(sys.argv[1], "w") as out:
         path = "C++ kernel" if engine.runner.backend.kernel else "gather + SDPA"
         out.write(f"dtype {engine.dtype}; attention decode path: {path}\n")
