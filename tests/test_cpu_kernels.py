@@ -211,27 +211,33 @@ def test_bf16_gemv_equals_linear(kernels, rows, k):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_gguf_gemv_equals_linear_on_the_dequantized_weights(kernels, qtype, rows, dtype):
-    """The GEMV over GGUF blocks computes with exactly the weights gguf-py dequantizes (what transformers'
-    GGUF loader uses): float32 results agree to summation order."""
+@pytest.mark.parametrize("n", [64, 70], ids=["regrouped", "row-layout"])
+def test_gguf_gemv_equals_linear_on_the_dequantized_weights(kernels, qtype, rows, dtype, n):
+    """The GEMVs over GGUF blocks (regrouped by 16 rows when N allows, else GGUF's row layout) compute
+    with exactly the weights gguf-py dequantizes (what transformers' GGUF loader uses): float32 results
+    agree up to rounding order."""
     import gguf
     import numpy as np
+
+    from pagedserve.model.layers import GgufMatmul
 
     if not kernels.has_gguf_gemv():
         pytest.skip("built without AVX-512")
     kind = getattr(gguf.GGMLQuantizationType, qtype)
-    g = torch.Generator().manual_seed(rows)
-    dense = torch.randn(70, 96, generator=g).numpy().astype(np.float32)
-    raw = gguf.quants.quantize(dense, kind)  # [70, 96 / 32 * block bytes] uint8
-    weights = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(70, 96).astype(np.float32))
-    blocks = torch.from_numpy(np.ascontiguousarray(raw))
+    g = torch.Generator().manual_seed(rows * n)
+    dense = torch.randn(n, 96, generator=g).numpy().astype(np.float32)
+    raw = gguf.quants.quantize(dense, kind)  # [n, 96 / 32 * block bytes] uint8
+    weights = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(n, 96).astype(np.float32))
     type_id = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}[qtype]
-    bias = torch.randn(70, generator=g).to(dtype)
+    matmul = GgufMatmul(kernels, type_id, torch.from_numpy(np.ascontiguousarray(raw)))
+    assert matmul.regrouped == (n % 16 == 0)
+    bias = torch.randn(n, generator=g).to(dtype)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     exact = F.linear(x.float(), weights, bias.float())
-    got = kernels.gemv_gguf(x, blocks, type_id, bias)
-    assert got.dtype == dtype and got.shape == (rows, 70)
-    assert close(got, exact, dtype)
+    for b, ref in ((bias, exact), (None, exact - bias.float())):
+        got = matmul(x, b)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        assert close(got, ref, dtype)
     assert not torch.allclose(weights, torch.from_numpy(dense))  # really quantized: the blocks matter
     with pytest.raises(RuntimeError, match="GGUF type"):
-        kernels.gemv_gguf(x, blocks, 12, None)
+        kernels.gemv_gguf(x, torch.from_numpy(np.ascontiguousarray(raw)), 12, None)

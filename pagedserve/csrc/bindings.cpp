@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &pagedserve::gemv_bf16, "x @ w.T (+ bias) for 1-4 rows of bf16, memory-bound");
   m.def("has_gguf_gemv", &pagedserve::has_gguf_gemv, "whether gemv_gguf is built (AVX-512)");
   m.def("gemv_gguf", &pagedserve::gemv_gguf, "x @ w.T (+ bias) for 1-4 rows, w read from GGUF Q4_0/Q4_1/Q8_0 blocks");
+  m.def("gemv_gguf_r16", &pagedserve::gemv_gguf_r16,
+        "x @ w.T (+ bias) for 1-4 rows, w in GGUF blocks regrouped by 16 rows (layers.repack_gguf)");
   m.def("has_avx512", []() {
 #ifdef __AVX512F__
     return true;

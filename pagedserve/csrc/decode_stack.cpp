@@ -16,11 +16,16 @@ namespace pagedserve {
 
 namespace {
 // A matmul of a few rows: from GGUF blocks when the weight has them, else the bf16 GEMV, else at::linear.
+// qw: [] (none), [blocks] (GGUF row layout) or [qs, scales, mins] (regrouped by 16 rows; mins empty
+// unless Q4_1).
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                           const torch::Tensor& qw, int64_t qtype) {
-  if (qw.defined()) {
-    return gemv_gguf(x, qw, qtype, b.defined() ? c10::optional<torch::Tensor>(b) : c10::nullopt);
+                           const std::vector<torch::Tensor>& qw, int64_t qtype) {
+  const auto bias = b.defined() ? c10::optional<torch::Tensor>(b) : c10::nullopt;
+  if (qw.size() == 3) {
+    const auto mins = qw[2].numel() ? c10::optional<torch::Tensor>(qw[2]) : c10::nullopt;
+    return gemv_gguf_r16(x, qw[0], qw[1], mins, qtype, bias);
   }
+  if (qw.size() == 1) return gemv_gguf(x, qw[0], qtype, bias);
   if (x.scalar_type() == torch::kBFloat16 && has_bf16_gemv() && x.size(0) <= 4) {
     return gemv_bf16(x, w, b.defined() ? c10::optional<torch::Tensor>(b) : c10::nullopt);
   }
@@ -37,8 +42,8 @@ class DecodeStack {
               std::vector<std::optional<torch::Tensor>> b_gate_up, std::vector<torch::Tensor> w_down,
               std::vector<std::optional<torch::Tensor>> b_down, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches, int64_t num_heads, int64_t num_kv_heads, double eps,
-              double scale, std::vector<std::optional<torch::Tensor>> q_qkv, std::vector<std::optional<torch::Tensor>> q_o,
-              std::vector<std::optional<torch::Tensor>> q_gate_up, std::vector<std::optional<torch::Tensor>> q_down,
+              double scale, std::vector<std::vector<torch::Tensor>> q_qkv, std::vector<std::vector<torch::Tensor>> q_o,
+              std::vector<std::vector<torch::Tensor>> q_gate_up, std::vector<std::vector<torch::Tensor>> q_down,
               std::vector<int64_t> t_qkv, std::vector<int64_t> t_o, std::vector<int64_t> t_gate_up,
               std::vector<int64_t> t_down)
       : ln1_(std::move(ln1)), ln2_(std::move(ln2)), w_qkv_(std::move(w_qkv)), w_o_(std::move(w_o)),
@@ -61,10 +66,10 @@ class DecodeStack {
     b_o_ = unwrap(b_o);
     b_gate_up_ = unwrap(b_gate_up);
     b_down_ = unwrap(b_down);
-    q_qkv_ = unwrap(q_qkv);
-    q_o_ = unwrap(q_o);
-    q_gate_up_ = unwrap(q_gate_up);
-    q_down_ = unwrap(q_down);
+    q_qkv_ = std::move(q_qkv);
+    q_o_ = std::move(q_o);
+    q_gate_up_ = std::move(q_gate_up);
+    q_down_ = std::move(q_down);
   }
 
   // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32;
@@ -92,7 +97,7 @@ class DecodeStack {
 
  private:
   std::vector<torch::Tensor> ln1_, ln2_, w_qkv_, b_qkv_, w_o_, b_o_, w_gate_up_, b_gate_up_, w_down_, b_down_, k_, v_;
-  std::vector<torch::Tensor> q_qkv_, q_o_, q_gate_up_, q_down_;  // GGUF blocks (undefined: none)
+  std::vector<std::vector<torch::Tensor>> q_qkv_, q_o_, q_gate_up_, q_down_;  // GGUF blocks (see small_linear)
   std::vector<int64_t> t_qkv_, t_o_, t_gate_up_, t_down_;        // their ggml type ids
   int64_t H_, KVH_;
   double eps_, scale_;
@@ -107,8 +112,8 @@ void bind_decode_stack(pybind11::module& m) {
                           std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
                           std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, int64_t, int64_t, double, double,
-                          std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
-                          std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
+                          std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<torch::Tensor>>,
+                          std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<torch::Tensor>>,
                           std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -9,6 +9,8 @@
 // (llama.cpp instead quantizes the activations to 8 bits; here they stay exact.)
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include "common.h"
 
 namespace pagedserve {
@@ -141,6 +143,166 @@ bool has_gguf_gemv() { return false; }
 
 torch::Tensor gemv_gguf(torch::Tensor x, torch::Tensor blocks, int64_t type, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(false, "gemv_gguf: this build has no AVX-512");
+  return x;
+}
+#endif
+
+
+// ---- row-interleaved layout ----------------------------------------------------------------------
+// The same blocks regrouped at load time (pagedserve/model/layers.py: repack_gguf) so that one vector
+// lane is one output row: for each group of 16 rows and each block, the j-th quant byte of the 16 rows
+// is contiguous (16 bytes), and the 16 rows' fp16 scales (and mins) are contiguous. A GEMV then needs no
+// horizontal sums, the activation is a broadcast shared by 16 rows, and the block scale is applied once
+// per block: y = sum_b d_b * (sum_j q_j x_j) + m_b * (sum_j x_j) (the same value as the dequantized
+// weights' dot product, rounded in another order).
+#if defined(PAGEDSERVE_AVX512) && defined(__F16C__)
+namespace {
+
+template <int64_t T, int M, typename SY>
+void r16_groups(const float* x, const float* xsum, int64_t K, const uint8_t* qs, const uint16_t* dsc,
+                const uint16_t* msc, const float* bias, SY* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  constexpr int64_t qbytes = T == kQ8_0 ? 32 * 16 : 16 * 16;  // quant bytes per (group, block)
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* q = qs + g * nb * qbytes;
+    const uint16_t* dg = dsc + g * nb * 16;
+    const uint16_t* mg = msc ? msc + g * nb * 16 : nullptr;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, q += qbytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + 4 * qbytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + 4 * qbytes + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + 4 * qbytes + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + 4 * qbytes + 192), _MM_HINT_T0);
+      // Two independent chains per row of x (even / odd j) so the FMAs overlap.
+      __m512 t0[M], t1[M];
+      for (int m = 0; m < M; ++m) t0[m] = t1[m] = _mm512_setzero_ps();
+      const float* xb = x + b * 32;
+      if constexpr (T == kQ8_0) {
+        for (int64_t j = 0; j < 32; j += 2) {
+          const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + j * 16))));
+          const __m512 v1 =
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + j * 16 + 16))));
+          for (int m = 0; m < M; ++m) {
+            t0[m] = _mm512_fmadd_ps(v0, _mm512_set1_ps(xb[m * K + j]), t0[m]);
+            t1[m] = _mm512_fmadd_ps(v1, _mm512_set1_ps(xb[m * K + j + 1]), t1[m]);
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < 16; ++j) {
+          const __m128i raw = _mm_loadu_si128((const __m128i*)(q + j * 16));
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+          for (int m = 0; m < M; ++m) {
+            t0[m] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[m * K + j]), t0[m]);
+            t1[m] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[m * K + j + 16]), t1[m]);
+          }
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dg + b * 16)));
+      __m512 mins = _mm512_setzero_ps();
+      if constexpr (T == kQ4_1) mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mg + b * 16)));
+      if constexpr (T == kQ4_0) mins = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));  // d * (q - 8)
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm512_fmadd_ps(d, _mm512_add_ps(t0[m], t1[m]), acc[m]);
+        if constexpr (T != kQ8_0) acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xsum[m * nb + b]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 r = acc[m];
+      if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + g * 16));
+      store16(y + m * N + g * 16, r);
+    }
+  }
+}
+
+template <int64_t T, typename SY>
+void r16_dispatch(int64_t M, const float* x, const float* xsum, int64_t K, const uint8_t* qs, const uint16_t* d,
+                  const uint16_t* mn, const float* bias, SY* y, int64_t N) {
+  at::parallel_for(0, N / 16, 4, [&](int64_t g0, int64_t g1) {
+    switch (M) {
+      case 1: r16_groups<T, 1>(x, xsum, K, qs, d, mn, bias, y, N, g0, g1); break;
+      case 2: r16_groups<T, 2>(x, xsum, K, qs, d, mn, bias, y, N, g0, g1); break;
+      case 3: r16_groups<T, 3>(x, xsum, K, qs, d, mn, bias, y, N, g0, g1); break;
+      default: r16_groups<T, 4>(x, xsum, K, qs, d, mn, bias, y, N, g0, g1); break;
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] (M <= 4); qs: uint8 [N/16, K/32, 16 or 32, 16]; scales, mins: fp16 [N/16, K/32, 16] (mins
+// only for Q4_1); bias [N] or None. Returns [M, N] in x's dtype.
+torch::Tensor gemv_gguf_r16(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                            int64_t type, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0, "gemv_gguf_r16: unsupported GGUF type id ", type);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) % 32 == 0,
+              "gemv_gguf_r16: x must be [1-4, K] (contiguous rows) with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  const int64_t per = type == kQ8_0 ? 32 : 16;
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.dim() == 4 && qs.size(1) == nb &&
+                  qs.size(2) == per && qs.size(3) == 16,
+              "gemv_gguf_r16: qs must be contiguous uint8 [N/16, K/32, ", per, ", 16]");
+  const int64_t N = qs.size(0) * 16;
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() && scales.numel() == N / 16 * nb * 16,
+              "gemv_gguf_r16: scales must be contiguous fp16 [N/16, K/32, 16]");
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(has_mins == (type == kQ4_1), "gemv_gguf_r16: mins are given exactly for Q4_1");
+  if (has_mins) {
+    TORCH_CHECK(mins->scalar_type() == torch::kFloat16 && mins->is_contiguous() && mins->numel() == scales.numel(),
+                "gemv_gguf_r16: mins must be shaped like scales");
+  }
+  // x (and its per-block sums, for the mins) and the bias widened to float32 by hand: at decode sizes a
+  // few aten calls would cost as much as the matmul.
+  thread_local std::vector<float> xf, xsum, bf;
+  xf.resize(M * K);
+  xsum.resize(M * nb);
+  dispatch_float_bf16(x, "gemv_gguf_r16", [&]<typename SX>() {
+    const SX* xp = ptr<SX>(x);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        float s = 0.f;
+        for (int64_t i = 0; i < 32; ++i) {
+          const float v = Elem<SX>::load(xp[m * x.stride(0) + b * 32 + i]);
+          xf[m * K + b * 32 + i] = v;
+          s += v;
+        }
+        xsum[m * nb + b] = s;
+      }
+    }
+  });
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == x.scalar_type(),
+                "gemv_gguf_r16: bias must be contiguous [N] in x's dtype");
+    bf.resize(N);
+    dispatch_float_bf16(*bias, "gemv_gguf_r16", [&]<typename SB>() {
+      const SB* src = ptr<SB>(*bias);
+      for (int64_t n = 0; n < N; ++n) bf[n] = Elem<SB>::load(src[n]);
+    });
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const float* bp = has_bias ? bf.data() : nullptr;
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const uint16_t* mn = has_mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
+  dispatch_float_bf16(y, "gemv_gguf_r16", [&]<typename SY>() {
+    SY* yp = ptr<SY>(y);
+    const float* xp = xf.data();
+    const float* sp = xsum.data();
+    switch (type) {
+      case kQ8_0: r16_dispatch<kQ8_0>(M, xp, sp, K, q, d, mn, bp, yp, N); break;
+      case kQ4_1: r16_dispatch<kQ4_1>(M, xp, sp, K, q, d, mn, bp, yp, N); break;
+      default: r16_dispatch<kQ4_0>(M, xp, sp, K, q, d, mn, bp, yp, N); break;
+    }
+  });
+  return y;
+}
+#else
+torch::Tensor gemv_gguf_r16(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                            int64_t type, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(false, "gemv_gguf_r16: this build has no AVX-512");
   return x;
 }
 #endif

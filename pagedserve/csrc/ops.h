@@ -16,4 +16,6 @@ bool has_bf16_gemv();
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool has_gguf_gemv();
 torch::Tensor gemv_gguf(torch::Tensor x, torch::Tensor blocks, int64_t type, c10::optional<torch::Tensor> bias);
+torch::Tensor gemv_gguf_r16(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                            int64_t type, c10::optional<torch::Tensor> bias);
 }  // namespace pagedserve

@@ -145,17 +145,62 @@ class Linear(nn.Linear):
         self.gemv = bf16_gemv(kernels) if self.packed is not None else None
 
     def attach_blocks(self, qweight: tuple[int, torch.Tensor] | None, kernels) -> None:
-        gemv = gguf_gemv(kernels)
-        self.qweight, self.qgemv = (qweight, gemv) if qweight is not None and gemv is not None else (None, None)
+        usable = qweight is not None and gguf_gemv(kernels) is not None
+        self.qweight = qweight if usable else None
+        self.qgemv = GgufMatmul(kernels, *qweight) if usable else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qgemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-            return self.qgemv(x, self.qweight[1], self.qweight[0], self.bias)
+            return self.qgemv(x, self.bias)
         if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
             if self.gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
                 return self.gemv(x, self.weight, self.bias)
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+def repack_gguf(type_id: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF blocks [N, K/32 * block_bytes] regrouped by 16 rows for `gemv_gguf_r16`: quants
+    [N/16, K/32, j, 16] (the j-th quant byte of 16 rows side by side), fp16 scales and mins
+    [N/16, K/32, 16] (mins empty unless Q4_1). No value changes, only the order of the bytes."""
+    n = blocks.shape[0]
+    bb = {2: 18, 3: 20, 8: 34}[type_id]
+    nb = blocks.shape[1] // bb
+    b = blocks.view(n, nb, bb)
+    q_start = 4 if type_id == 3 else 2
+
+    def by16(t: torch.Tensor) -> torch.Tensor:  # [N, nb, X] -> [N/16, nb, X, 16]
+        return t.reshape(n // 16, 16, nb, t.shape[-1]).permute(0, 2, 3, 1).contiguous()
+
+    def halves(lo: int) -> torch.Tensor:  # fp16 field at byte offset lo of every block -> [N/16, nb, 16]
+        return by16(b[:, :, lo : lo + 2].contiguous().view(torch.float16)).reshape(n // 16, nb, 16)
+
+    mins = halves(2) if type_id == 3 else torch.empty(0, dtype=torch.float16)
+    return by16(b[:, :, q_start:]), halves(0), mins
+
+
+class GgufMatmul:
+    """x @ W.T (+ bias) for 1-4 rows of x, W read from its GGUF blocks by the C++ kernels: regrouped by 16
+    rows when the row count allows (no horizontal sums), else in GGUF's own row layout."""
+
+    def __init__(self, kernels, type_id: int, blocks: torch.Tensor) -> None:
+        self.type_id = type_id
+        self.regrouped = blocks.shape[0] % 16 == 0 and hasattr(kernels, "gemv_gguf_r16")
+        if self.regrouped:
+            self.qs, self.scales, self.mins = repack_gguf(type_id, blocks)
+            self.fn = kernels.gemv_gguf_r16
+        else:
+            self.blocks = blocks
+            self.fn = kernels.gemv_gguf
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What DecodeStack takes for this matmul."""
+        return [self.qs, self.scales, self.mins] if self.regrouped else [self.blocks]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.regrouped:
+            return self.fn(x, self.qs, self.scales, self.mins if self.mins.numel() else None, self.type_id, bias)
+        return self.fn(x, self.blocks, self.type_id, bias)
 
 
 def gguf_gemv(kernels):

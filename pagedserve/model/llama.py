@@ -16,6 +16,7 @@ from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import (
     GEMV_MAX_ROWS,
+    GgufMatmul,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -99,7 +100,7 @@ class DecoderLayer(nn.Module):
 
 def _blocks_and_types(*kinds: list[Linear]) -> list:
     """DecodeStack's GGUF arguments: per kind of matmul, each layer's blocks (or None), then the types."""
-    blocks = [[m.qweight[1] if m.qgemv is not None else None for m in kind] for kind in kinds]
+    blocks = [[m.qgemv.tensors() if m.qgemv is not None else [] for m in kind] for kind in kinds]
     types = [[m.qweight[0] if m.qgemv is not None else 0 for m in kind] for kind in kinds]
     return blocks + types
 
@@ -155,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.lm_head_qgemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-            return self.lm_head_qgemv(x, self.lm_head_blocks[1], self.lm_head_blocks[0], None)
+            return self.lm_head_qgemv(x)
         if self.lm_head_packed is not None and x.dtype == torch.bfloat16:
             if self.lm_head_gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
                 return self.lm_head_gemv(x, weight, None)
@@ -214,7 +215,8 @@ class LlamaForCausalLM(nn.Module):
         head = blocks.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         gemv = gguf_gemv(kernels)
         usable = head is not None and gemv is not None
-        self.lm_head_blocks, self.lm_head_qgemv = (head, gemv) if usable else (None, None)
+        self.lm_head_blocks = head if usable else None
+        self.lm_head_qgemv = GgufMatmul(kernels, *head) if usable else None
         self._stack = None
         return any(m.qgemv is not None for m in self.modules() if isinstance(m, Linear))
 
