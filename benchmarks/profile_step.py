@@ -23,7 +23,7 @@ from pagedserve.model.layers import Linear
 from pagedserve.sampling_params import SamplingParams
 
 KERNELS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_write_kv", "silu_and_mul",
-           "argmax_rows", "gemv_bf16", "gemv_gguf")
+           "argmax_rows", "gemv_bf16", "gemv_gguf", "gemv_gguf_r16")
 
 
 def _named(fn, name):
@@ -53,12 +53,13 @@ def trace_kernels(engine: LLMEngine) -> None:
         return
     traced = _Traced(model.kernels)
     model.kernels = engine.sampler.kernels = engine.runner.backend.kernel = traced
+    gguf = [m.qgemv for m in model.modules() if isinstance(m, Linear) and m.qgemv is not None]
     for m in model.modules():
         if isinstance(m, Linear):
             m.gemv = m.gemv and traced.gemv_bf16
-            m.qgemv = m.qgemv and traced.gemv_gguf
     model.lm_head_gemv = model.lm_head_gemv and traced.gemv_bf16
-    model.lm_head_qgemv = model.lm_head_qgemv and traced.gemv_gguf
+    for matmul in gguf + ([model.lm_head_qgemv] if model.lm_head_qgemv is not None else []):
+        matmul.fn = traced.gemv_gguf_r16 if matmul.regrouped else traced.gemv_gguf
 
 
 def time_steps(engine: LLMEngine, n: int) -> float:
