@@ -20,6 +20,22 @@
 #endif
 
 namespace pagedserve {
+
+// Exact softmax of S scores in place, max-subtracted, float32.
+inline void softmax_inplace(float* r, int64_t S) {
+  float m = r[0];  // a real score, not -inf: the kernels are built with -ffast-math (vector expf)
+  for (int64_t j = 1; j < S; ++j) m = std::max(m, r[j]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < S; ++j) {
+    r[j] = expf(r[j] - m);
+    sum += r[j];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < S; ++j) r[j] *= inv;
+}
+
 namespace legacy {
 
 template <typename T>
@@ -93,21 +109,7 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
           }
         }
       }
-      for (int64_t h = 0; h < H; ++h) {
-        // Start from a real score, not -inf: the kernel is built with -ffast-math (vector expf).
-        float* sc = scores.data() + h * S;
-        float m = sc[0];
-        for (int64_t j = 1; j < S; ++j) m = std::max(m, sc[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < S; ++j) {
-          sc[j] = expf(sc[j] - m);
-          sum += sc[j];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < S; ++j) sc[j] *= inv;
-      }
+      for (int64_t h = 0; h < H; ++h) softmax_inplace(scores.data() + h * S, S);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j0 = 0; j0 < S; j0 += block_size) {
         const T* base = v_cache + table[j0 / block_size] * block_stride;
@@ -197,20 +199,7 @@ void attend_chunk(const float* qf, const SC* kc, const SC* vc, const int64_t* ta
                   int64_t row, int64_t D, std::vector<float>& sc, SQ* out) {
   sc.resize(G * S);
   scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data());
-  for (int g = 0; g < G; ++g) {
-    float* r = sc.data() + g * S;
-    float m = r[0];  // a real score, not -inf: the kernels are built with -ffast-math
-    for (int64_t j = 1; j < S; ++j) m = std::max(m, r[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < S; ++j) {
-      r[j] = expf(r[j] - m);
-      sum += r[j];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t j = 0; j < S; ++j) r[j] *= inv;
-  }
+  for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S);
   int64_t c = 0;
   for (; c + 64 <= D; c += 64) pv_chunk<G, 4>(sc.data(), vc, table, S, BS, row, D, c, out);
   switch ((D - c) / 16) {
