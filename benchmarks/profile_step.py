@@ -19,7 +19,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from pagedserve.bench import random_prompts
 from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import LLMEngine
-from pagedserve.model.layers import Linear
 from pagedserve.sampling_params import SamplingParams
 
 KERNELS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_write_kv", "silu_and_mul",
@@ -53,13 +52,10 @@ def trace_kernels(engine: LLMEngine) -> None:
         return
     traced = _Traced(model.kernels)
     model.kernels = engine.sampler.kernels = engine.runner.backend.kernel = traced
-    gguf = [m.qgemv for m in model.modules() if isinstance(m, Linear) and m.qgemv is not None]
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.gemv = m.gemv and traced.gemv_bf16
-    model.lm_head_gemv = model.lm_head_gemv and traced.gemv_bf16
-    for matmul in gguf + ([model.lm_head_qgemv] if model.lm_head_qgemv is not None else []):
-        matmul.fn = traced.gemv_gguf_r16 if matmul.regrouped else traced.gemv_gguf
+    for routes in model.matmul_routes():
+        routes.gemv = routes.gemv and traced.gemv_bf16
+        if routes.qgemv is not None:
+            routes.qgemv.fn = traced.gemv_gguf_r16 if routes.qgemv.regrouped else traced.gemv_gguf
 
 
 def time_steps(engine: LLMEngine, n: int) -> float:

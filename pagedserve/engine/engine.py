@@ -21,6 +21,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.trace import StepRecord
+from pagedserve.model.layers import bf16_gemv
 from pagedserve.model.loader import load_model, resolve_dtype
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling.sampler import Sampler
@@ -67,12 +68,8 @@ class LLMEngine:
         # The fast backend brings the C++ kernels; the fused norm/rotary/SwiGLU ops ride with it, so
         # attention_backend="torch_ref" stays a pure-PyTorch reference path end to end.
         loaded.model.kernels = getattr(self.runner.backend, "kernel", None) if config.device == "cpu" else None
-        if config.device == "cpu" and loaded.model.pack_weights(config.max_num_seqs, loaded.model.kernels):
-            logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)%s",
-                        "; decode-sized matmuls use the C++ GEMV" if loaded.model.lm_head_gemv else "")
-        if config.device == "cpu" and loaded.gguf_blocks and loaded.model.kernels is not None:
-            if loaded.model.attach_gguf_blocks(loaded.gguf_blocks, loaded.model.kernels):
-                logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
+        if config.device == "cpu":
+            self._prepare_cpu_matmuls(loaded)
         self.sampler = Sampler(config.seed, loaded.model.kernels)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentState] = {}
@@ -89,6 +86,15 @@ class LLMEngine:
         self.num_computed_prefill_tokens = 0
         self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self._finished_between_steps: dict[str, str] = {}  # aborts, reported in the next step record
+
+    def _prepare_cpu_matmuls(self, loaded) -> None:
+        model, kernels = loaded.model, loaded.model.kernels
+        if model.pack_weights(self.config.max_num_seqs, kernels):
+            gemv = bf16_gemv(kernels) is not None
+            logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)%s",
+                        "; decode-sized matmuls use the C++ GEMV" if gemv else "")
+        if loaded.gguf_blocks and kernels is not None and model.attach_gguf_blocks(loaded.gguf_blocks, kernels):
+            logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _max_model_len(self, requested: int | None) -> int:

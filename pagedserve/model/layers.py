@@ -133,30 +133,45 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 GEMV_MAX_ROWS = 4
 
 
-class Linear(nn.Linear):
-    packed: torch.Tensor | None = None  # set by pack(); the plain weight stays the source of truth
-    gemv = None  # the C++ bf16 GEMV for decode-sized inputs, where built
-    # (ggml type id, uint8 blocks) of a GGUF-quantized weight, and the C++ GEMV that reads them
-    qweight: tuple[int, torch.Tensor] | None = None
-    qgemv = None
+class MatmulRoutes:
+    """How one weight's matmul runs on the CPU, chosen once at load: from its GGUF blocks or through the
+    bf16 GEMV for 1-4 rows, through oneDNN with the weight pre-packed otherwise (bf16 on native-bf16
+    CPUs), and plain `linear` where none of these was set up. The plain weight stays the source of truth."""
 
-    def pack(self, batch_hint: int, kernels=None) -> None:
-        self.packed = pack_weight(self.weight, batch_hint)
+    def __init__(self) -> None:
+        self.packed: torch.Tensor | None = None
+        self.gemv = None  # the C++ bf16 GEMV, where built (used with `packed`)
+        self.qgemv: GgufMatmul | None = None
+
+    def pack(self, weight: torch.Tensor, batch_hint: int, kernels=None) -> bool:
+        self.packed = pack_weight(weight, batch_hint)
         self.gemv = bf16_gemv(kernels) if self.packed is not None else None
+        return self.packed is not None
 
-    def attach_blocks(self, qweight: tuple[int, torch.Tensor] | None, kernels) -> None:
-        usable = qweight is not None and gguf_gemv(kernels) is not None
-        self.qweight = qweight if usable else None
+    def attach(self, qweight: tuple[int, torch.Tensor] | None, kernels) -> bool:
+        """qweight: (ggml type id, uint8 blocks) of the weight, or None."""
+        usable = qweight is not None and gguf_gemv_available(kernels)
         self.qgemv = GgufMatmul(kernels, *qweight) if usable else None
+        return usable
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        few_rows = x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        if self.qgemv is not None and few_rows:
+            return self.qgemv(x, bias)
+        if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            if self.gemv is not None and few_rows:
+                return self.gemv(x, weight, bias)
+            return packed_linear(x, self.packed, bias)
+        return linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.routes = MatmulRoutes()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qgemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-            return self.qgemv(x, self.bias)
-        if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
-            if self.gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-                return self.gemv(x, self.weight, self.bias)
-            return packed_linear(x, self.packed, self.bias)
-        return linear(x, self.weight, self.bias)
+        return self.routes(x, self.weight, self.bias)
 
 
 def repack_gguf(type_id: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,12 +218,10 @@ class GgufMatmul:
         return self.fn(x, self.blocks, self.type_id, bias)
 
 
-def gguf_gemv(kernels):
-    """The C++ GEMV over GGUF Q4_0/Q4_1/Q8_0 blocks where built (AVX-512), else None.
+def gguf_gemv_available(kernels) -> bool:
+    """Whether the C++ GEMVs over GGUF Q4_0/Q4_1/Q8_0 blocks are built (AVX-512).
     PAGEDSERVE_NO_GGUF_GEMV=1 keeps decode matmuls on the widened (bf16/float32) weights."""
-    if kernels is None or os.environ.get("PAGEDSERVE_NO_GGUF_GEMV") == "1" or not kernels.has_gguf_gemv():
-        return None
-    return kernels.gemv_gguf
+    return kernels is not None and os.environ.get("PAGEDSERVE_NO_GGUF_GEMV") != "1" and kernels.has_gguf_gemv()
 
 
 def bf16_gemv(kernels):

@@ -15,17 +15,11 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import (
-    GEMV_MAX_ROWS,
-    GgufMatmul,
     Linear,
+    MatmulRoutes,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    bf16_gemv,
-    gguf_gemv,
-    linear,
-    pack_weight,
-    packed_linear,
     silu_and_mul,
 )
 
@@ -99,9 +93,10 @@ class DecoderLayer(nn.Module):
 
 
 def _blocks_and_types(*kinds: list[Linear]) -> list:
-    """DecodeStack's GGUF arguments: per kind of matmul, each layer's blocks (or None), then the types."""
-    blocks = [[m.qgemv.tensors() if m.qgemv is not None else [] for m in kind] for kind in kinds]
-    types = [[m.qweight[0] if m.qgemv is not None else 0 for m in kind] for kind in kinds]
+    """DecodeStack's GGUF arguments: per kind of matmul, each layer's blocks (or []), then the types."""
+    qgemvs = [[m.routes.qgemv for m in kind] for kind in kinds]
+    blocks = [[q.tensors() if q is not None else [] for q in kind] for kind in qgemvs]
+    types = [[q.type_id if q is not None else 0 for q in kind] for kind in qgemvs]
     return blocks + types
 
 
@@ -113,10 +108,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_gemv = None
-        self.lm_head_blocks: tuple[int, torch.Tensor] | None = None  # GGUF blocks of the LM head
-        self.lm_head_qgemv = None
+        # The tied LM head's matmul (the embedding's weight); an untied head is a Linear with its own.
+        self.tied_head_routes = MatmulRoutes()
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU), set by the engine; None: plain PyTorch.
         self.kernels = None
         self._stack = None  # (kv_caches, C++ DecodeStack) for few-sequence decode steps
@@ -137,7 +130,6 @@ class LlamaForCausalLM(nn.Module):
         the model's dtype (the sampler upcasts when it needs to)."""
         # The window is a property of the model, not of the step: the runner need not know about it.
         meta.sliding_window = self.config.sliding_window
-        backend.prepare(meta)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions)
         kernels = self.kernels if x.device.type == "cpu" else None
@@ -146,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
             x = self._decode_stack(kv_caches).forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
                                                       meta.seq_lens)
         else:
+            backend.prepare(meta)  # once per step, for every layer (the stack needs none of it)
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, rope, kv_cache, backend, meta, kernels)
@@ -154,14 +147,14 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.lm_head_qgemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-            return self.lm_head_qgemv(x)
-        if self.lm_head_packed is not None and x.dtype == torch.bfloat16:
-            if self.lm_head_gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-                return self.lm_head_gemv(x, weight, None)
-            return packed_linear(x, self.lm_head_packed)
-        return linear(x, weight)
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        return self.tied_head_routes(x, self.embed_tokens.weight, None)
+
+    def matmul_routes(self) -> list[MatmulRoutes]:
+        """Every matmul's routes, the tied LM head's included."""
+        routes = [m.routes for m in self.modules() if isinstance(m, Linear)]
+        return routes + ([self.tied_head_routes] if self.lm_head is None else [])
 
     def _decode_stack_applies(self, kernels, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
         return (
@@ -208,31 +201,27 @@ class LlamaForCausalLM(nn.Module):
 
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj.attach_blocks(fused(f"layers.{i}.self_attn", ["q_proj", "k_proj", "v_proj"]), kernels)
-            attn.o_proj.attach_blocks(fused(f"layers.{i}.self_attn", ["o_proj"]), kernels)
-            mlp.gate_up_proj.attach_blocks(fused(f"layers.{i}.mlp", ["gate_proj", "up_proj"]), kernels)
-            mlp.down_proj.attach_blocks(fused(f"layers.{i}.mlp", ["down_proj"]), kernels)
-        head = blocks.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
-        gemv = gguf_gemv(kernels)
-        usable = head is not None and gemv is not None
-        self.lm_head_blocks = head if usable else None
-        self.lm_head_qgemv = GgufMatmul(kernels, *head) if usable else None
+            attn.qkv_proj.routes.attach(fused(f"layers.{i}.self_attn", ["q_proj", "k_proj", "v_proj"]), kernels)
+            attn.o_proj.routes.attach(fused(f"layers.{i}.self_attn", ["o_proj"]), kernels)
+            mlp.gate_up_proj.routes.attach(fused(f"layers.{i}.mlp", ["gate_proj", "up_proj"]), kernels)
+            mlp.down_proj.routes.attach(fused(f"layers.{i}.mlp", ["down_proj"]), kernels)
+        if self.lm_head is None:
+            self.tied_head_routes.attach(blocks.get("embed_tokens.weight"), kernels)
+        else:
+            self.lm_head.routes.attach(blocks.get("lm_head.weight"), kernels)
         self._stack = None
-        return any(m.qgemv is not None for m in self.modules() if isinstance(m, Linear))
+        return any(r.qgemv is not None for r in self.matmul_routes())
 
     def pack_weights(self, batch_hint: int = 128, kernels=None) -> bool:
         """Pre-pack every matmul weight for oneDNN where the CPU has native bf16 (see layers.pack_weight),
-        and route decode-sized matmuls to the C++ GEMV when `kernels` has it.
+        and route decode-sized matmuls to the C++ bf16 GEMV when `kernels` has it.
 
         Returns whether anything was packed. The plain weights are kept (embedding lookup, GEMV, fallbacks).
         """
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.pack(batch_hint, kernels)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_packed = pack_weight(weight, batch_hint)
-        self.lm_head_gemv = bf16_gemv(kernels) if self.lm_head_packed is not None else None
-        return self.lm_head_packed is not None
+        packed = [m.routes.pack(m.weight, batch_hint, kernels) for m in self.modules() if isinstance(m, Linear)]
+        if self.lm_head is None:
+            packed.append(self.tied_head_routes.pack(self.embed_tokens.weight, batch_hint, kernels))
+        return any(packed)
 
     # ---- weights -------------------------------------------------------------------------------
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
