@@ -1,24 +1,23 @@
 """Profile one decode step of W1 (128 running sequences, 128-token prompts) and of W2 (one sequence,
-32-token prompt), by op. Usage: python benchmarks/profile_step.py OUT.txt
+32-token prompt), by op. Usage: python benchmarks/profile_step.py OUT.txt [DTYPE]
 
 pagedserve's C++ kernels are pybind functions the profiler cannot see, so for the profiled step each is
 wrapped in a `record_function` named `pagedserve::<kernel>`. W2 normally runs every layer in one C++ call
 (DecodeStack); its by-op table is taken with the layer-by-layer path, and both step times are given.
-PAGEDSERVE_DTYPE=float32 profiles the float32 mode; PAGEDSERVE_NO_EXTENSION=1 the pure-PyTorch paths.
+DTYPE (default auto) may be float32 or bfloat16; PAGEDSERVE_NO_EXTENSION=1 profiles the pure-PyTorch paths.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import time
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from pagedserve.bench import random_prompts
 from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import LLMEngine
+from pagedserve.entrypoints.cli.bench import random_prompts
 from pagedserve.sampling_params import SamplingParams
 
 KERNELS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_write_kv", "silu_and_mul",
@@ -35,7 +34,7 @@ def _named(fn, name):
 
 
 class _Traced:
-    """The kernels module with every kernel wrapped in a record_function."""
+    """The extension module with every kernel wrapped in a record_function."""
 
     def __init__(self, mod) -> None:
         self._mod = mod
@@ -47,12 +46,12 @@ class _Traced:
 
 
 def trace_kernels(engine: LLMEngine) -> None:
-    model = engine.runner.model
-    if model.kernels is None:
+    runner = engine.runner
+    if runner.kernels is None:
         return
-    traced = _Traced(model.kernels)
-    model.kernels = engine.sampler.kernels = engine.runner.backend.kernel = traced
-    for routes in model.matmul_routes():
+    traced = _Traced(runner.kernels.ext)
+    runner.set_kernels(runner.kernels.replace(ext=traced))
+    for routes in runner.model.matmul_routes():
         routes.gemv = routes.gemv and traced.gemv_bf16
         if routes.qgemv is not None:
             routes.qgemv.fn = traced.gemv_gguf_r16 if routes.qgemv.regrouped else traced.gemv_gguf
@@ -69,31 +68,32 @@ def profile_decode(engine: LLMEngine, batch: int, input_len: int, out) -> None:
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=200)
     for i, p in enumerate(random_prompts(batch, input_len, 0)):
         engine.add_request(f"w{batch}-{i}", {"prompt_token_ids": p}, params)
-    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+    while engine.stats().num_waiting or any(r.num_output_tokens == 0 for r in engine.live_requests()):
         engine.step()
     time_steps(engine, 3)
-    model = engine.runner.model
+    runner = engine.runner
+    kernels = runner.kernels
     step_s = time_steps(engine, 10)
     note = ""
-    if batch <= 4 and model.kernels is not None:
-        model.use_decode_stack = False
+    if batch <= 4 and kernels is not None:
+        runner.set_kernels(kernels.replace(decode_stack=False))
         time_steps(engine, 2)
         layered_s = time_steps(engine, 10)
         note = f" (every layer in one C++ call; layer by layer, as profiled below: {layered_s * 1000:.1f} ms)"
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
-    model.use_decode_stack = True
+    runner.set_kernels(kernels)
     out.write(f"\n== decode step, {batch} sequences (prompt {input_len}): {step_s * 1000:.1f} ms/step, "
               f"{batch / step_s:.1f} tok/s{note} ==\n")
     out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
-    engine.abort_request(list(engine.parents))
+    engine.abort_all()
 
 
 def main() -> None:
-    engine = LLMEngine(EngineConfig(dtype=os.environ.get("PAGEDSERVE_DTYPE", "auto")))
+    engine = LLMEngine(EngineConfig(dtype=sys.argv[2] if len(sys.argv) > 2 else "auto"))
     trace_kernels(engine)
     with open(sys.argv[1], "w") as out:
-        path = "C++ kernel" if engine.runner.backend.kernel else "gather + SDPA"
+        path = "C++ kernel" if engine.runner.kernels else "gather + SDPA"
         out.write(f"dtype {engine.dtype}; attention decode path: {path}\n")
         profile_decode(engine, 128, 128, out)  # W1
         profile_decode(engine, 1, 32, out)  # W2

@@ -18,7 +18,7 @@ $B bench throughput --num-prompts 16 --input-len 1024 --output-len 1 --dtype "$D
 # W2 ablations: float32 (the exact mode), and bf16 with dense bf16 weights instead of the GGUF blocks.
 $B bench latency --input-len 32 --output-len 256 --num-iters 3 --dtype float32 \
     --quiet --json benchmarks/w2_latency_fp32.json
-PAGEDSERVE_NO_GGUF_GEMV=1 $B bench latency --input-len 32 --output-len 256 --num-iters 3 --dtype bfloat16 \
+$B bench latency --input-len 32 --output-len 256 --num-iters 3 --dtype bfloat16 --no-gguf-gemv \
     --quiet --json benchmarks/w2_latency_bf16_dense.json
 # Prefix caching: 64 requests sharing a 512-token prefix (+ 64 own tokens), TTFT with caching on and off.
 $B bench throughput --num-prompts 64 --input-len 576 --output-len 16 --shared-prefix-len 512 \
@@ -30,7 +30,7 @@ $B bench throughput --num-prompts 64 --input-len 576 --output-len 16 --shared-pr
 LCP=${LLAMA_CPP_PYTHON:-/tmp/lcpvenv/bin/python}
 if [ -x "$LCP" ]; then
     GGUF=$(.venv/bin/python -c "from pagedserve.model.loader import bundled_model_path; print(bundled_model_path())")
-    .venv/bin/python -c "import json; from pagedserve.bench import random_prompts; \
+    .venv/bin/python -c "import json; from pagedserve.entrypoints.cli.bench import random_prompts; \
 print(json.dumps(random_prompts(1, 32, 0)[0]))" > /tmp/w2_prompt.json
     "$LCP" benchmarks/peers/llama_cpp_w2.py --src "$GGUF" --prompt /tmp/w2_prompt.json \
         --json benchmarks/peers/llama_cpp_w2_bf16.json

@@ -4,7 +4,7 @@ from pagedserve import logging_setup
 
 logging_setup.configure()
 
-from pagedserve.llm import LLM  # noqa: E402
+from pagedserve.entrypoints.llm import LLM  # noqa: E402
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 

@@ -1,32 +1,85 @@
-"""EngineConfig: every knob of the engine in one validated dataclass."""
+"""EngineConfig: every knob of the engine in one validated dataclass.
+
+Each field carries its command-line help in its metadata; `entrypoints/cli/args.py` derives the engine
+flags of every command from these fields (names, types, defaults and choices come from here only).
+Fields marked `cli=False` are set by the commands themselves or only through the Python API.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
+
+from pagedserve.envs import ENV
 
 DEFAULT_KV_CACHE_FRACTION = 0.2  # of the memory available at start-up...
 DEFAULT_KV_CACHE_MAX_GB = 2.0  # ...but never more than this
 
+# Model dtypes: the names users give, each mapped to its canonical name ("auto" picks per device/CPU).
+MODEL_DTYPES = ("auto", "float32", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+ATTENTION_BACKENDS = ("batched", "torch_ref")
+
+
+def canonical_dtype(name: str) -> str:
+    """'fp32' -> 'float32', ...; a ValueError naming the field for anything else."""
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"dtype: must be auto, float32 or bfloat16, got {name!r}")
+    return name
+
+
+def _knob(default, help: str, *, cli: bool = True, choices: tuple | None = None, env: bool = False) -> Field:
+    meta = {"help": help, "cli": cli, "choices": choices}
+    if env:  # the default comes from envs.ENV (read once at import)
+        return field(default_factory=lambda: default(ENV), metadata=meta)
+    return field(default=default, metadata=meta)
+
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF directory, .gguf file, or None for the bundled SmolLM2-135M-Instruct
-    served_model_name: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16
-    device: str = "cpu"
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's context length
-    num_kv_blocks: int | None = None  # exact number of KV blocks (wins over kv_cache_memory_gb)
-    kv_cache_memory_gb: float | None = None  # default: see default_kv_cache_bytes()
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    attention_backend: str = "batched"  # batched | torch_ref
-    num_threads: int | None = None  # torch threads; default: the cores this process may use
-    keep_block_tables: bool = False  # record every step's block tables (trace / explain / dashboard)
-    max_step_records: int = 10_000  # step records kept (oldest dropped first)
+    # ---- model ----
+    model: str | None = _knob(None, "HF model directory or .gguf file (default: the bundled model)")
+    served_model_name: str | None = _knob(None, "the model name clients send (default: from the model)",
+                                          cli=False)
+    dtype: str = _knob("auto", "weights and activations: auto (bfloat16 where the CPU has native bf16, "
+                       "else float32), float32 or bfloat16", choices=MODEL_DTYPES)
+    device: str = _knob("cpu", "where the model runs", cli=False)
+    # ---- KV cache ----
+    block_size: int = _knob(16, "tokens per KV block")
+    num_kv_blocks: int | None = _knob(None, "exact number of KV blocks (wins over --kv-cache-memory-gb)")
+    kv_cache_memory_gb: float | None = _knob(None, "KV cache size in GiB (default: 20%% of free memory, "
+                                             "at most 2 GiB)")
+    enable_prefix_caching: bool = _knob(True, "share the KV blocks of common prompt prefixes")
+    # ---- scheduler ----
+    max_num_seqs: int = _knob(128, "most sequences in one step")
+    max_num_batched_tokens: int = _knob(2048, "token budget of one step")
+    max_model_len: int | None = _knob(None, "context length (default: the model's)")
+    seed: int = _knob(0, "seed of the engine's sampler (requests without their own seed)")
+    # ---- compute paths (the defaults come from envs.py's variables) ----
+    attention_backend: str = _knob("batched", "attention over the paged cache: batched (C++ decode kernel "
+                                   "+ SDPA) or torch_ref (the pure-PyTorch reference, no C++ anywhere)",
+                                   choices=ATTENTION_BACKENDS)
+    num_threads: int | None = _knob(None, "torch threads (default: the cores this process may use)")
+    use_cpp_kernels: bool = _knob(lambda e: e.use_cpp_kernels, "pagedserve's C++ CPU kernels (fused ops, "
+                                  "decode attention, GEMVs); off: pure PyTorch", env=True)
+    cpu_arch: str = _knob(lambda e: e.cpu_arch, "-march of the C++ kernels' build, e.g. x86-64-v3 for the "
+                          "portable AVX2 build", env=True)
+    pack_weights: bool = _knob(lambda e: e.pack_weights, "pre-pack bf16 matmul weights for oneDNN (CPUs "
+                               "with native bf16)", env=True)
+    bf16_gemv: bool = _knob(lambda e: e.bf16_gemv, "decode-sized bf16 matmuls through the C++ GEMV "
+                            "(AVX512-BF16 builds)", env=True)
+    gguf_gemv: bool = _knob(lambda e: e.gguf_gemv, "decode-sized matmuls read GGUF Q4_0/Q4_1/Q8_0 blocks "
+                            "directly (AVX-512 builds)", env=True)
+    decode_stack: bool = _knob(lambda e: e.decode_stack, "decode steps of up to 4 sequences run every layer "
+                               "in one C++ call", env=True)
+    keep_dequantized_weights: bool = _knob(lambda e: e.keep_dequantized_weights, "keep the last GGUF's "
+                                           "dequantized weights in memory (many engines in one process)",
+                                           cli=False, env=True)
+    # ---- tracing ----
+    keep_block_tables: bool = _knob(False, "record every step's block tables (trace / explain / dashboard)",
+                                    cli=False)
+    max_step_records: int = _knob(10_000, "step records kept (oldest dropped first)", cli=False)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -42,12 +95,24 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "fp32", "bf16"):
-            raise ValueError(f"dtype: must be auto, float32 or bfloat16, got {self.dtype!r}")
+        canonical_dtype(self.dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r} "
+                             f"(choose from {sorted(ATTENTION_BACKENDS)})")
+        for f in fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name}: must be true or false, got {getattr(self, f.name)!r}")
+        if not isinstance(self.cpu_arch, str) or not self.cpu_arch:
+            raise ValueError(f"cpu_arch: must be a -march name, got {self.cpu_arch!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @staticmethod
+    def default_of(f: Field):
+        """A field's default value (evaluating default factories)."""
+        return f.default_factory() if f.default is MISSING else f.default
 
 
 def available_memory_bytes() -> int:

@@ -5,11 +5,12 @@ the level; PAGEDSERVE_CONFIGURE_LOGGING=0 leaves logging entirely to the applica
 from __future__ import annotations
 
 import logging
-import os
+
+from pagedserve.envs import ENV
 
 
 def configure() -> None:
-    if os.environ.get("PAGEDSERVE_CONFIGURE_LOGGING", "1") == "0":
+    if not ENV.configure_logging:
         return
     logger = logging.getLogger("pagedserve")
     if logger.handlers:
@@ -17,5 +18,5 @@ def configure() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("PAGEDSERVE_LOGGING_LEVEL", "INFO").upper())
+    logger.setLevel(ENV.logging_level)
     logger.propagate = False  # the handler above prints it; the root logger would print it twice

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from pagedserve.engine.engine import LLMEngine
+    from pagedserve.engine.stats import EngineStats
     from pagedserve.outputs import RequestOutput
 
 logger = logging.getLogger("pagedserve")
@@ -39,9 +40,8 @@ class _EngineCollector:
         self.engine = engine
 
     def collect(self):
-        e = self.engine
-        sched, kv = e.scheduler, e.kv_manager
-        name = e.served_model_name
+        stats = self.engine.stats()
+        name = self.engine.served_model_name
         labels = ["model_name"]
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -54,20 +54,20 @@ class _EngineCollector:
             c.add_metric([name], value)
             return c
 
-        yield gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting))
-        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", kv.pool.usage())
-        yield counter("num_preemptions", "Preemptions (recompute) so far.", e.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens received.", e.num_prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", e.num_generation_tokens)
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", stats.kv_cache_usage)
+        yield counter("num_preemptions", "Preemptions (recompute) so far.", stats.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      kv.prefix_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits)
+                      stats.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         success = CounterMetricFamily(
             PREFIX + "request_success", "Finished requests by finish reason.",
             labels=["model_name", "finished_reason"],
         )
-        for reason, count in sorted(e.finished_by_reason.items()):
+        for reason, count in sorted(stats.finished_by_reason.items()):
             success.add_metric([name, reason], count)
         yield success
 
@@ -124,21 +124,21 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
     # ---- the periodic one-line log ---------------------------------------------------------------
-    def _snapshot(self, t: float) -> tuple[float, int, int, int, int]:
-        e, kv = self.engine, self.engine.kv_manager
-        return (t, e.num_computed_prefill_tokens, e.num_generation_tokens, kv.prefix_queries, kv.prefix_hits)
+    def _snapshot(self, t: float) -> tuple[float, EngineStats]:
+        return t, self.engine.stats()
 
     def log_stats(self, now: float | None = None) -> str:
         now = time.monotonic() if now is None else now
-        t0, p0, g0, q0, h0 = self._log_state
-        t1, p1, g1, q1, h1 = self._log_state = self._snapshot(now)
+        t0, s0 = self._log_state
+        t1, s1 = self._log_state = self._snapshot(now)
         dt = max(t1 - t0, 1e-9)
-        e = self.engine
-        hit = 100.0 * (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+        queries = s1.prefix_cache_queries - s0.prefix_cache_queries
+        hit = 100.0 * (s1.prefix_cache_hits - s0.prefix_cache_hits) / queries if queries > 0 else 0.0
         line = (
-            f"Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, Avg generation throughput: "
-            f"{(g1 - g0) / dt:.1f} tokens/s, Running: {len(e.scheduler.running)} reqs, Waiting: "
-            f"{len(e.scheduler.waiting)} reqs, KV cache usage: {100 * e.kv_manager.pool.usage():.1f}%, "
+            f"Avg prompt throughput: {(s1.num_computed_prefill_tokens - s0.num_computed_prefill_tokens) / dt:.1f} "
+            f"tokens/s, Avg generation throughput: "
+            f"{(s1.num_generation_tokens - s0.num_generation_tokens) / dt:.1f} tokens/s, Running: "
+            f"{s1.num_running} reqs, Waiting: {s1.num_waiting} reqs, KV cache usage: {100 * s1.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {hit:.1f}%"
         )
         logger.info(line)

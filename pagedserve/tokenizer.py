@@ -1,10 +1,8 @@
-"""Tokenizer front: HF tokenizer + chat template, and incremental detokenizing with stop strings.
+"""Tokenizer front: HF tokenizer + chat template, and incremental detokenizing.
 
 The incremental detokenizer uses tokenizers' DecodeStream (it handles UTF-8 split over tokens and
 byte-fallback) seeded with the end of the prompt so the first word keeps its leading space. Stop strings
-are searched in the text as it grows (a stop string split across tokens is still caught); while a
-request runs, the last len(longest stop) - 1 characters are held back from streams so a stop string is
-never shown and then taken back.
+and the text held back from streams are decided in engine/stop.py.
 """
 
 from __future__ import annotations
@@ -52,46 +50,15 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns one sequence's new tokens into text and watches for stop strings."""
+    """Turns one sequence's new tokens into text, piece by piece (stop strings: engine/stop.py)."""
 
     CONTEXT_TOKENS = 6
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: list[int],
-        stop: list[str],
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         context = prompt_token_ids[-self.CONTEXT_TOKENS :]
         self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self.stop = stop
-        self.include_stop = include_stop_str_in_output
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
-        self.stop_string: str | None = None
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if the text now contains one (text is cut)."""
-        piece = self.stream.step(self.tokenizer.backend, token_id)
-        if not piece:
-            return None
-        start = max(0, len(self.text) - self.holdback)
-        self.text += piece
-        if not self.stop:
-            return None
-        hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, start)) >= 0]
-        if not hits:
-            return None
-        idx, s = min(hits)  # the earliest stop string in the text wins
-        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
-        self.stop_string = s
-        return s
-
-    def visible_text(self, finished: bool) -> str:
-        """What can be shown now: all of it once finished, else all but the held-back tail."""
-        if finished or not self.holdback:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.holdback)]
+    def decode(self, token_id: int) -> str:
+        """The text this token adds ("" while a UTF-8 character is still incomplete)."""
+        return self.stream.step(self.tokenizer.backend, token_id) or ""

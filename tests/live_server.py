@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from pagedserve.server.cli_commands import GracefulServer
+from pagedserve.entrypoints.cli.serve import GracefulServer
 
 
 def free_port() -> int:

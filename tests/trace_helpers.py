@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.trace import engine_trace_data
+from pagedserve.entrypoints.cli.trace import TraceRequest, run_workload
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.trace_report import TraceRequest, engine_trace_data, run_workload
 
 PROMPTS = [
     "The paged KV cache stores the keys and values of every token in fixed size blocks, so",

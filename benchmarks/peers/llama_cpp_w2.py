@@ -5,7 +5,7 @@ Not part of pagedserve: a peer measurement for benchmarks/README.md. It needs ll
 not a pagedserve dependency (it builds llama.cpp from source, ~10 min on 2 cores), in its own venv:
 
     python3 -m venv /tmp/lcpvenv && CMAKE_ARGS=-DGGML_NATIVE=ON /tmp/lcpvenv/bin/pip install llama-cpp-python==0.3.36
-    .venv/bin/python -c "import json; from pagedserve.bench import random_prompts; \\
+    .venv/bin/python -c "import json; from pagedserve.entrypoints.cli.bench import random_prompts; \\
         print(json.dumps(random_prompts(1, 32, 0)[0]))" > /tmp/w2_prompt.json
     /tmp/lcpvenv/bin/python benchmarks/peers/llama_cpp_w2.py --src BUNDLED.gguf --prompt /tmp/w2_prompt.json \\
         --json benchmarks/peers/llama_cpp_w2_bf16.json

@@ -7,9 +7,12 @@ The model never sees requests: `slot_mapping` (where each new token's K/V goes) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedserve.kernels import CpuKernels
 
 
 @dataclass(slots=True)
@@ -48,6 +51,14 @@ class AttentionBackend:
 
     name = "base"
 
+    def __init__(self, kernels: CpuKernels | None = None) -> None:
+        self.kernels = kernels
+
+    def runs_decode_kernel(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's attention is the C++ paged decode kernel (every sequence decodes one token),
+        so a fused whole-model kernel that calls it (DecodeStack) computes what this backend would."""
+        return False
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before the first layer: build whatever index tensors are reused."""
 
@@ -62,13 +73,3 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         raise NotImplementedError
-
-
-def get_backend(name: str) -> AttentionBackend:
-    from pagedserve.attention.cpu import BatchedGatherBackend
-    from pagedserve.attention.torch_ref import TorchRefBackend
-
-    backends = {"torch_ref": TorchRefBackend, "batched": BatchedGatherBackend}
-    if name not in backends:
-        raise ValueError(f"attention_backend: unknown backend {name!r} (choose from {sorted(backends)})")
-    return backends[name]()

@@ -2,7 +2,7 @@
 
 Per step, sequences are split into two groups — decodes (one new token) and prefill chunks (several) —
 so a long prefill does not pad every decode to its length. Decodes use a small C++ kernel that reads
-K/V through the block table in place (pagedserve/csrc/attention.cpp). Prefill chunks (and decodes when
+K/V through the block table in place (pagedserve/kernels/csrc/attention.cpp). Prefill chunks (and decodes when
 the kernel is unavailable) gather each sequence's context through its block table in one indexing op,
 and a single masked `scaled_dot_product_attention` call (GQA-aware) does the math. Index tensors and
 masks are built once per step in `prepare` and reused by every layer.
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention import cpu_kernels
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
@@ -65,8 +64,13 @@ class BatchedGatherBackend(AttentionBackend):
 
     name = "batched"
 
-    def __init__(self, use_kernel: bool = True) -> None:
-        self.kernel = cpu_kernels.load() if use_kernel else None
+    def runs_decode_kernel(self, meta: AttentionMetadata) -> bool:
+        return (
+            self.kernels is not None
+            and meta.sliding_window is None  # the kernel has no sliding window
+            and meta.slot_mapping.device.type == "cpu"
+            and all(q == 1 for q in meta.query_lens)
+        )
 
     def prepare(self, meta: AttentionMetadata) -> None:
         decodes = [i for i, q in enumerate(meta.query_lens) if q == 1]
@@ -82,13 +86,13 @@ class BatchedGatherBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_heads, head_dim = q.shape[1], q.shape[2]
         # The kernel has no sliding window: windowed models take the gather path.
-        use_kernel = self.kernel is not None and q.device.type == "cpu" and meta.sliding_window is None
+        use_kernel = self.kernels is not None and q.device.type == "cpu" and meta.sliding_window is None
         for g in groups:
             if g.is_decode and use_kernel:
                 # Reads each query row of q in place and writes its output row of `out`; a batch of only
                 # decodes needs no row index at all.
                 rows = _NO_ROWS if len(groups) == 1 else g.out_rows
-                self.kernel.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, rows, out, scale)
+                self.kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, rows, out, scale)
                 continue
             G, max_q = g.token_index.shape
             keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]

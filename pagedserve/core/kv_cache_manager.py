@@ -11,6 +11,7 @@ import hashlib
 import struct
 
 from pagedserve.core.block_pool import Block, BlockPool
+from pagedserve.core.kv_math import blocks_for_tokens
 from pagedserve.core.request import Request
 
 ROOT_HASH = b"pagedserve-root"
@@ -38,7 +39,7 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -25,6 +25,11 @@ def bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, 
     return 2 * layers * kv_heads * head_dim * block_size * elem_bytes
 
 
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold `num_tokens` tokens (the last one partly filled)."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(frozen=True)
 class KVCapacity:
     block_bytes: int
@@ -37,7 +42,7 @@ class KVCapacity:
 
     def max_concurrency(self, tokens_per_request: int) -> int:
         """Requests of this many tokens (prompt + output) that fit in the cache at once."""
-        per_request = -(-tokens_per_request // self.block_size)
+        per_request = blocks_for_tokens(tokens_per_request, self.block_size)
         return self.num_blocks // per_request if per_request else 0
 
 
@@ -46,8 +51,9 @@ def capacity(block_bytes: int, memory_bytes: float, block_size: int) -> KVCapaci
 
 
 def human_bytes(n: float) -> str:
+    unit = "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or float(n).is_integer() else f"{n:.2f} {unit}"
+            break
         n /= 1024
-    return f"{n} B"
+    return f"{n:.0f} {unit}" if unit == "B" or float(n).is_integer() else f"{n:.2f} {unit}"

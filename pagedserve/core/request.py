@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -48,13 +46,10 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule (-1: not scheduled yet)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

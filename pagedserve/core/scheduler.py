@@ -162,34 +162,15 @@ class Scheduler:
             out.num_decode_tokens += num_new
 
     # ---- after the model ran ---------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply token-level stops. Returns finished."""
-        finished = []
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance computed counts and append the sampled tokens. Whether a request stops is decided by
+        the engine (engine/stop.py), which then calls `finish`."""
         for s in out.scheduled:
             req = self.requests[s.request_id]
             req.num_computed_tokens += len(s.token_ids)
             token = sampled.get(s.request_id)
-            if token is None:
-                continue
-            req.append_output_token(token)
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.finish(req, status)
-                finished.append(req)
-        return finished
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        n = req.num_output_tokens
-        if n >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if n >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            if token is not None:
+                req.append_output_token(token)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Finish (or abort) a request in any state and free its blocks at once."""

@@ -233,7 +233,7 @@ class AsyncLLMEngine:
             if isinstance(cmd, _Add | _Call) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineDeadError("the server is shutting down"))
         try:
-            self._dispatch(self.engine.abort_request(list(self.engine.parents)))
+            self._dispatch(self.engine.abort_all())
         except Exception:
             logger.exception("abort at shutdown failed")
         for stream in self._streams.values():

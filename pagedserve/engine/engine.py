@@ -1,7 +1,9 @@
 """LLMEngine: schedule → run the model → sample → update, one step at a time.
 
 Requests join and leave the batch between steps (continuous batching). Every step appends a
-StepRecord; every request that advanced gets a RequestOutput.
+StepRecord; every request that advanced gets a RequestOutput. Everything outside the engine reads it
+through `stats()`, `get_request()`, `live_requests()` and `step_records`, and changes it through
+`add_request`, `abort_request`, `abort_all` and `reset_prefix_cache`.
 """
 
 from __future__ import annotations
@@ -13,18 +15,17 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.attention.backend import get_backend
 from pagedserve.config import EngineConfig, default_kv_cache_bytes, usable_cores
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_math import bytes_per_block, capacity, human_bytes
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
+from pagedserve.engine.stats import EngineStats, RequestInfo
 from pagedserve.engine.trace import StepRecord
-from pagedserve.model.layers import bf16_gemv
 from pagedserve.model.loader import load_model, resolve_dtype
 from pagedserve.outputs import RequestMetrics, RequestOutput
-from pagedserve.sampling.sampler import Sampler
+from pagedserve.sampling.metadata import RequestGenerators, SamplingMetadata
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import Tokenizer
 from pagedserve.worker.kv_cache import allocate_kv_cache
@@ -40,7 +41,7 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.num_threads or usable_cores())
         self.dtype = resolve_dtype(config.dtype)
-        loaded = load_model(config.model, self.dtype, config.device)
+        loaded = load_model(config.model, self.dtype, config.device, config.keep_dequantized_weights)
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.served_model_name = config.served_model_name or loaded.name
@@ -62,16 +63,11 @@ class LLMEngine:
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
             self.kv_manager,
         )
-        self.runner = ModelRunner(
-            loaded.model, self.kv_caches, get_backend(config.attention_backend), config.block_size, config.device
-        )
-        # The fast backend brings the C++ kernels; the fused norm/rotary/SwiGLU ops ride with it, so
-        # attention_backend="torch_ref" stays a pure-PyTorch reference path end to end.
-        loaded.model.kernels = getattr(self.runner.backend, "kernel", None) if config.device == "cpu" else None
-        if config.device == "cpu":
-            self._prepare_cpu_matmuls(loaded)
-        self.sampler = Sampler(config.seed, loaded.model.kernels)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        # The runner owns the C++ kernels (none with attention_backend="torch_ref": a pure-PyTorch
+        # reference path end to end), the attention backend and the sampler.
+        self.runner = ModelRunner(loaded.model, self.kv_caches, config, loaded.gguf_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.generators = RequestGenerators()
         self.parents: dict[str, ParentState] = {}
         self.sample_to_parent: dict[str, ParentState] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=config.max_step_records)
@@ -86,15 +82,6 @@ class LLMEngine:
         self.num_computed_prefill_tokens = 0
         self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self._finished_between_steps: dict[str, str] = {}  # aborts, reported in the next step record
-
-    def _prepare_cpu_matmuls(self, loaded) -> None:
-        model, kernels = loaded.model, loaded.model.kernels
-        if model.pack_weights(self.config.max_num_seqs, kernels):
-            gemv = bf16_gemv(kernels) is not None
-            logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)%s",
-                        "; decode-sized matmuls use the C++ GEMV" if gemv else "")
-        if loaded.gguf_blocks and kernels is not None and model.attach_gguf_blocks(loaded.gguf_blocks, kernels):
-            logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _max_model_len(self, requested: int | None) -> int:
@@ -179,19 +166,70 @@ class LLMEngine:
             parent = self.parents.get(rid)
             if parent is None:
                 continue
-            for s in parent.samples:
-                if not s.request.is_finished:
-                    self.scheduler.finish(s.request, RequestStatus.FINISHED_ABORTED)
-                    self._count_finish(s.request, self._finished_between_steps)
+            self._abort_samples(parent, self._finished_between_steps)
             outputs.append(self.output_processor.make_output(parent))
             self._drop(parent)
         return outputs
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request (Ctrl-C in a CLI, shutdown of a server)."""
+        return self.abort_request(list(self.parents))
+
+    def _abort_samples(self, parent: ParentState, finished: dict) -> None:
+        """Finish every unfinished sample of `parent` as aborted (its blocks are freed at once)."""
+        for sample in parent.samples:
+            if not sample.request.is_finished:
+                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                self._count_finish(sample.request, finished)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
+
+    # ---- the read API --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool, kv = self.kv_manager.pool, self.kv_manager
+        cached_free = pool.num_cached_free_blocks
+        return EngineStats(
+            step_count=self.step_count,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_unfinished_requests=len(self.parents),
+            num_kv_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_cached_free_blocks=cached_free,
+            num_free_blocks=pool.num_free_blocks - cached_free,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_computed_prefill_tokens=self.num_computed_prefill_tokens,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            finished_by_reason=dict(self.finished_by_reason),
+        )
+
+    def get_request(self, request_id: str) -> RequestInfo | None:
+        """A live sequence by id (a sample id for n > 1: "<id>#<i>"); None once it finished."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        return RequestInfo(
+            request_id=req.request_id, parent_id=req.parent_id, status=req.status.value,
+            arrival_time=req.arrival_time, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens, num_computed_tokens=req.num_computed_tokens,
+            max_tokens=req.max_tokens, holds_blocks=bool(self.kv_manager.block_table(req.request_id)),
+        )
+
+    def live_requests(self) -> list[RequestInfo]:
+        """Every running, then every waiting sequence, in the scheduler's order."""
+        reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return [info for r in reqs if (info := self.get_request(r.request_id)) is not None]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block that no request holds (benchmarks start cold this way)."""
+        self.kv_manager.pool.reset_prefix_cache()
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -221,29 +259,25 @@ class LLMEngine:
             if s.is_prefill:
                 self.num_computed_prefill_tokens += len(s.token_ids)
         try:
-            logits, rows = self.runner.execute(sched)
+            rows = self.runner.sample_rows(sched)
             sampling = [self.scheduler.requests[sched.scheduled[r].request_id] for r in rows]
-            result = self.sampler(logits, sampling) if rows else None
+            meta = SamplingMetadata.from_requests(sampling, self.generators.for_requests(sampling)) if rows else None
+            result = self.runner.execute(sched, meta)
         except Exception as e:  # a broken batch fails its requests, never the engine loop
             logger.exception("model step failed; aborting the %d requests in it", len(sched.scheduled))
             for s in sched.scheduled:
                 parent = self.sample_to_parent[s.request_id]
                 parent.error = f"engine error: {e}"
-                for sample in parent.samples:
-                    if not sample.request.is_finished:
-                        self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
-                        self._count_finish(sample.request, finished)
+                self._abort_samples(parent, finished)
                 touched[parent.request_id] = parent
             return
-        sampled = {req.request_id: tok for req, tok in zip(sampling, result.token_ids, strict=True)} if rows else {}
+        sampled = {req.request_id: tok for req, tok in zip(sampling, result.token_ids, strict=True)} if sampling else {}
         self.scheduler.update(sched, sampled)
         now = time.time()
         for i, req in enumerate(sampling):
             parent = self.sample_to_parent[req.request_id]
             touched[parent.request_id] = parent
             self._on_token(parent, req, result.token_ids[i], result.logprobs[i], now)
-        # Token-level stops (update) and stop strings (_on_token) both finish sampled requests only.
-        for req in sampling:
             if req.is_finished:
                 self._count_finish(req, finished)
 
@@ -252,24 +286,14 @@ class LLMEngine:
         if parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
         parent.metrics.last_token_time = now
-        sample = parent.samples[req.index]
         try:
-            stop = self.output_processor.on_token(sample, token, logprob)
+            status = self.output_processor.on_token(parent.samples[req.index], token, logprob)
         except Exception as e:  # e.g. a tokenizer failure: this request ends, the others go on
             logger.exception("output processing failed for %s", req.request_id)
             parent.error = f"output processing failed: {e}"
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            return
-        if stop is None:
-            return
-        if not req.is_finished:
-            req.stop_reason = stop
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        elif req.status == RequestStatus.FINISHED_LENGTH:
-            # The token that hit max_tokens also completed a stop string: the text was cut there, so
-            # the reason is "stop" (as vLLM), not "length".
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = stop
+            status = RequestStatus.FINISHED_ABORTED
+        if status is not None:
+            self.scheduler.finish(req, status)
 
     def _count_finish(self, req: Request, finished: dict) -> None:
         reason = req.status.finish_reason or "abort"
@@ -280,6 +304,7 @@ class LLMEngine:
         self.parents.pop(parent.request_id, None)
         for s in parent.samples:
             self.sample_to_parent.pop(s.request.request_id, None)
+            self.generators.drop(s.request.request_id)
 
     def _record(self, sched: SchedulerOutput, start: float, finished: dict, q0: int, h0: int) -> None:
         pool = self.kv_manager.pool

@@ -1,11 +1,12 @@
-"""Per-request output state: detokenizing, stop strings, logprobs, timings → RequestOutput."""
+"""Per-request output state: detokenizing, stops, logprobs, timings → RequestOutput."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pagedserve.core.request import Request
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.engine.stop import OutputText, check_stop
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -13,7 +14,7 @@ from pagedserve.tokenizer import IncrementalDetokenizer, Tokenizer
 @dataclass
 class SampleState:
     request: Request
-    detok: IncrementalDetokenizer
+    text: OutputText
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
 
@@ -28,7 +29,6 @@ class ParentState:
     samples: list[SampleState]
     metrics: RequestMetrics
     error: str | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -36,19 +36,18 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
 
     def new_sample(self, request: Request) -> SampleState:
         p = request.sampling_params
-        detok = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, p.stop_strings, p.include_stop_str_in_output,
-            p.skip_special_tokens,
-        )
-        return SampleState(request, detok, [] if p.logprobs is not None else None)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.skip_special_tokens)
+        text = OutputText(detok, p.stop_strings, p.include_stop_str_in_output)
+        return SampleState(request, text, [] if p.logprobs is not None else None)
 
-    def on_token(self, sample: SampleState, token_id: int, logprob) -> str | None:
-        """Record one new token; returns a stop string if the text hit one."""
+    def on_token(self, sample: SampleState, token_id: int, logprob) -> RequestStatus | None:
+        """Record one new token (already appended to the request); returns the status it finishes with."""
         if logprob is not None and sample.logprobs is not None:
             chosen, rank, top_ids, top_vals = logprob
             entry = {token_id: Logprob(chosen, rank, self.tokenizer.id_to_piece(token_id))}
@@ -56,13 +55,7 @@ class OutputProcessor:
                 entry.setdefault(tid, Logprob(val, r, self.tokenizer.id_to_piece(tid)))
             sample.logprobs.append(entry)
             sample.cumulative_logprob += chosen
-        req = sample.request
-        p = req.sampling_params
-        if token_id in req.eos_token_ids and not p.ignore_eos:
-            return None  # the EOS token itself adds no text
-        if req.stop_reason == token_id and not p.include_stop_str_in_output:
-            return None  # nor does a stop token id that ended the request (as vLLM), unless asked for
-        return sample.detok.add_token(token_id)
+        return check_stop(sample.request, token_id, sample.text, self.max_model_len)
 
     @staticmethod
     def make_output(parent: ParentState) -> RequestOutput:
@@ -72,7 +65,7 @@ class OutputProcessor:
             outputs.append(
                 CompletionOutput(
                     index=req.index,
-                    text=s.detok.visible_text(req.is_finished),
+                    text=s.text.visible_text(req.is_finished),
                     token_ids=list(req.output_token_ids),
                     cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                     logprobs=s.logprobs,
@@ -93,5 +86,4 @@ class OutputProcessor:
             metrics=parent.metrics,
             num_cached_tokens=max(cached, 0),
             error=parent.error,
-            extra=parent.extra,
         )

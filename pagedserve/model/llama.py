@@ -13,19 +13,15 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.kernels import CpuKernels
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.layers import (
-    Linear,
-    MatmulRoutes,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    silu_and_mul,
-)
+from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from pagedserve.model.matmul import GEMV_MAX_ROWS, MatmulRoutes
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
-# Decode steps of up to this many sequences run all layers in one C++ call (csrc/decode_stack.cpp).
-DECODE_STACK_MAX_SEQS = 4
+# Decode steps of up to this many sequences run all layers in one C++ call (kernels/csrc/decode_stack.cpp):
+# every matmul of such a step is on its few-rows route.
+DECODE_STACK_MAX_SEQS = GEMV_MAX_ROWS
 
 
 class Attention(nn.Module):
@@ -92,14 +88,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, kernels), residual
 
 
-def _blocks_and_types(*kinds: list[Linear]) -> list:
-    """DecodeStack's GGUF arguments: per kind of matmul, each layer's blocks (or []), then the types."""
-    qgemvs = [[m.routes.qgemv for m in kind] for kind in kinds]
-    blocks = [[q.tensors() if q is not None else [] for q in kind] for kind in qgemvs]
-    types = [[q.type_id if q is not None else 0 for q in kind] for kind in qgemvs]
-    return blocks + types
-
-
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -110,10 +98,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # The tied LM head's matmul (the embedding's weight); an untied head is a Linear with its own.
         self.tied_head_routes = MatmulRoutes()
-        # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU), set by the engine; None: plain PyTorch.
-        self.kernels = None
+        # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU, DecodeStack), handed over by the model
+        # runner through set_kernels; None: plain PyTorch.
+        self.kernels: CpuKernels | None = None
         self._stack = None  # (kv_caches, C++ DecodeStack) for few-sequence decode steps
-        self.use_decode_stack = True
         positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
 
@@ -133,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions)
         kernels = self.kernels if x.device.type == "cpu" else None
-        if self._decode_stack_applies(kernels, backend, meta):
+        if self._decode_stack_applies(backend, meta):
             # A few decoding sequences: every layer in one C++ call (same kernels, same order).
             x = self._decode_stack(kv_caches).forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
                                                       meta.seq_lens)
@@ -151,47 +139,53 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(x)
         return self.tied_head_routes(x, self.embed_tokens.weight, None)
 
-    def matmul_routes(self) -> list[MatmulRoutes]:
-        """Every matmul's routes, the tied LM head's included."""
-        routes = [m.routes for m in self.modules() if isinstance(m, Linear)]
-        return routes + ([self.tied_head_routes] if self.lm_head is None else [])
-
-    def _decode_stack_applies(self, kernels, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
+    def _decode_stack_applies(self, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
         return (
-            kernels is not None
-            and self.use_decode_stack
-            and hasattr(kernels, "DecodeStack")
-            and getattr(backend, "kernel", None) is not None
-            and meta.sliding_window is None
+            self.kernels is not None
+            and self.kernels.decode_stack
             and 0 < meta.num_seqs <= DECODE_STACK_MAX_SEQS
-            and all(q == 1 for q in meta.query_lens)
+            and backend.runs_decode_kernel(meta)
         )
 
     def _decode_stack(self, kv_caches: KVCache):
         """The C++ DecodeStack over these weights and these caches, built once per cache list."""
         if self._stack is None or self._stack[0] is not kv_caches:
-            attn = [layer.self_attn for layer in self.layers]
-            mlp = [layer.mlp for layer in self.layers]
-            stack = self.kernels.DecodeStack(
-                [layer.input_layernorm.weight for layer in self.layers],
-                [layer.post_attention_layernorm.weight for layer in self.layers],
-                [a.qkv_proj.weight for a in attn], [a.qkv_proj.bias for a in attn],
-                [a.o_proj.weight for a in attn], [a.o_proj.bias for a in attn],
-                [m.gate_up_proj.weight for m in mlp], [m.gate_up_proj.bias for m in mlp],
-                [m.down_proj.weight for m in mlp], [m.down_proj.bias for m in mlp],
-                [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                self.config.num_heads, self.config.num_kv_heads, self.config.rms_norm_eps, attn[0].scale,
-                *_blocks_and_types([a.qkv_proj for a in attn], [a.o_proj for a in attn],
-                                   [m.gate_up_proj for m in mlp], [m.down_proj for m in mlp]),
-            )
+            ext = self.kernels.ext
+
+            def spec(m: Linear):
+                return m.routes.decode_spec(self.kernels, m.weight, m.bias)
+
+            layers = [
+                ext.DecodeLayer(
+                    layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                    spec(layer.self_attn.qkv_proj), spec(layer.self_attn.o_proj),
+                    spec(layer.mlp.gate_up_proj), spec(layer.mlp.down_proj), k, v,
+                )
+                for layer, (k, v) in zip(self.layers, kv_caches, strict=True)
+            ]
+            cfg = self.config
+            stack = ext.DecodeStack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps,
+                                    self.layers[0].self_attn.scale)
             self._stack = (kv_caches, stack)
         return self._stack[1]
 
-    def attach_gguf_blocks(self, blocks: dict[str, tuple[int, torch.Tensor]], kernels) -> bool:
-        """Let decode-sized matmuls read GGUF Q4_0/Q4_1/Q8_0 blocks (as the loader kept them, fused like
-        the weights) through the C++ GEMV. Returns whether any matmul will. Weights of mixed block
-        types in one fused matmul stay on the widened weights."""
-        blocks = {name.removeprefix("model."): v for name, v in blocks.items()}
+    def matmul_routes(self) -> list[MatmulRoutes]:
+        """Every matmul's routes, the tied LM head's included."""
+        routes = [m.routes for m in self.modules() if isinstance(m, Linear)]
+        return routes + ([self.tied_head_routes] if self.lm_head is None else [])
+
+    def set_kernels(self, kernels: CpuKernels | None) -> None:
+        if kernels is not self.kernels:
+            self.kernels = kernels
+            self._stack = None
+
+    def setup_matmuls(self, kernels: CpuKernels | None, *, pack: bool, batch_hint: int,
+                      gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None) -> list[MatmulRoutes]:
+        """Choose every matmul's routes (model/matmul.py): oneDNN pre-packing where `pack` and the CPU
+        has native bf16, the C++ bf16 GEMV and the GGUF-block GEMVs where `kernels` offer them. The GGUF
+        blocks are those the loader kept, fused here like the weights (q/k/v, gate/up); a fused matmul
+        whose parts have different block types stays on the widened weights. Returns every route."""
+        blocks = {name.removeprefix("model."): v for name, v in (gguf_blocks or {}).items()}
 
         def fused(prefix: str, parts: list[str]):
             found = [blocks.get(f"{prefix}.{p}.weight") for p in parts]
@@ -199,29 +193,22 @@ class LlamaForCausalLM(nn.Module):
                 return None
             return found[0][0], torch.cat([f[1] for f in found]).contiguous()
 
+        matmuls: list[tuple[MatmulRoutes, torch.Tensor, tuple | None]] = []
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj.routes.attach(fused(f"layers.{i}.self_attn", ["q_proj", "k_proj", "v_proj"]), kernels)
-            attn.o_proj.routes.attach(fused(f"layers.{i}.self_attn", ["o_proj"]), kernels)
-            mlp.gate_up_proj.routes.attach(fused(f"layers.{i}.mlp", ["gate_proj", "up_proj"]), kernels)
-            mlp.down_proj.routes.attach(fused(f"layers.{i}.mlp", ["down_proj"]), kernels)
+            for m, prefix, parts in (
+                (attn.qkv_proj, "self_attn", ["q_proj", "k_proj", "v_proj"]), (attn.o_proj, "self_attn", ["o_proj"]),
+                (mlp.gate_up_proj, "mlp", ["gate_proj", "up_proj"]), (mlp.down_proj, "mlp", ["down_proj"]),
+            ):
+                matmuls.append((m.routes, m.weight, fused(f"layers.{i}.{prefix}", parts)))
         if self.lm_head is None:
-            self.tied_head_routes.attach(blocks.get("embed_tokens.weight"), kernels)
+            matmuls.append((self.tied_head_routes, self.embed_tokens.weight, blocks.get("embed_tokens.weight")))
         else:
-            self.lm_head.routes.attach(blocks.get("lm_head.weight"), kernels)
+            matmuls.append((self.lm_head.routes, self.lm_head.weight, blocks.get("lm_head.weight")))
+        for routes, weight, qweight in matmuls:
+            routes.setup(weight, kernels, pack=pack, batch_hint=batch_hint, qweight=qweight)
         self._stack = None
-        return any(r.qgemv is not None for r in self.matmul_routes())
-
-    def pack_weights(self, batch_hint: int = 128, kernels=None) -> bool:
-        """Pre-pack every matmul weight for oneDNN where the CPU has native bf16 (see layers.pack_weight),
-        and route decode-sized matmuls to the C++ bf16 GEMV when `kernels` has it.
-
-        Returns whether anything was packed. The plain weights are kept (embedding lookup, GEMV, fallbacks).
-        """
-        packed = [m.routes.pack(m.weight, batch_hint, kernels) for m in self.modules() if isinstance(m, Linear)]
-        if self.lm_head is None:
-            packed.append(self.tied_head_routes.pack(self.embed_tokens.weight, batch_hint, kernels))
-        return any(packed)
+        return [r for r, _, _ in matmuls]
 
     # ---- weights -------------------------------------------------------------------------------
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

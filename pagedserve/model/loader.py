@@ -19,8 +19,12 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.config import canonical_dtype
+from pagedserve.envs import ENV
+from pagedserve.kernels import cpu_info
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.matmul import GGUF_TYPE_IDS
 
 logger = logging.getLogger(__name__)
 
@@ -58,28 +62,23 @@ def resolve_model(model: str | None) -> tuple[str, str]:
     return str(path), name
 
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config.MODEL_DTYPES, less "auto"
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16):
+        if dtype not in TORCH_DTYPES.values():
             raise ValueError(f"dtype: {dtype} is not supported (float32 or bfloat16)")
         return dtype
-    if dtype == "auto":
-        return auto_dtype()
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype not in table:
-        raise ValueError(f"dtype: {dtype!r} is not supported (auto, float32 or bfloat16)")
-    return table[dtype]
+    name = canonical_dtype(dtype)
+    return auto_dtype() if name == "auto" else TORCH_DTYPES[name]
 
 
 def auto_dtype() -> torch.dtype:
     """bfloat16 where the CPU has native bf16 math (AVX512-BF16 / AMX) or on CUDA, else float32."""
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or cpu_info().has_native_bf16:
         return torch.bfloat16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+    return torch.float32
 
 
 @dataclass
@@ -93,7 +92,10 @@ class LoadedModel:
     gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None
 
 
-def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(
+    model: str | None, dtype: str | torch.dtype = "float32", device: str = "cpu", keep_dequantized: bool = False
+) -> LoadedModel:
+    """keep_dequantized: keep the last GGUF's dequantized weights in memory (see _dequantized_gguf)."""
     path, name = resolve_model(model)
     torch_dtype = resolve_dtype(dtype)
     blocks: dict[str, tuple[int, torch.Tensor]] | None = None
@@ -101,7 +103,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "float32", device: 
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
     elif path.endswith(".gguf"):
-        if os.environ.get(KEEP_DEQUANTIZED_ENV) == "1":
+        if keep_dequantized:
             cfg, weights, cached_blocks = _dequantized_gguf(path, os.stat(path).st_mtime_ns)
             blocks = dict(cached_blocks)
         else:  # stream: a server should not keep a float32 copy of every weight alive
@@ -260,12 +262,10 @@ def dequantize_gguf_tensor(tensor) -> torch.Tensor:
     return torch.from_numpy(data.reshape(shape).astype("float32"))
 
 
-# Dequantizing is the slow part of loading a GGUF (~7 s for the bundled model). With this set to 1, the
-# last file's float32 weights are kept in memory so several engines in one process (the test suite,
-# benchmarks) pay for it once; off by default, since it keeps a float32 copy of the model alive.
-KEEP_DEQUANTIZED_ENV = "PAGEDSERVE_KEEP_DEQUANTIZED"
-
-
+# Dequantizing is the slow part of loading a GGUF (~7 s for the bundled model). With keep_dequantized
+# (EngineConfig.keep_dequantized_weights), the last file's float32 weights are kept in memory so several
+# engines in one process (the test suite, benchmarks) pay for it once; off by default, since it keeps a
+# float32 copy of the model alive.
 @functools.lru_cache(maxsize=1)
 def _dequantized_gguf(path: str, mtime_ns: int):
     """The last GGUF's config, dequantized weights (copied out by the model) and kept blocks."""
@@ -276,15 +276,11 @@ def _dequantized_gguf(path: str, mtime_ns: int):
     return cfg, weights, tuple(blocks.items())
 
 
-# GGUF block types whose blocks the C++ GEMV reads directly (name -> ggml type id).
-GGUF_GEMV_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-
-
 def iter_gguf_tensors(
     reader, cfg: ModelConfig, blocks: dict[str, tuple[int, torch.Tensor]] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 weight) for every tensor; with `blocks`, also keep each Q4_0/Q4_1/Q8_0
-    tensor's raw blocks there (rows un-permuted like the weight)."""
+    tensor's raw blocks there (rows un-permuted like the weight; the types of matmul.GGUF_BLOCK_LAYOUTS)."""
     import numpy as np
 
     for t in reader.tensors:
@@ -296,7 +292,7 @@ def iter_gguf_tensors(
         w = dequantize_gguf_tensor(t)
         kind = t.tensor_type.name
         raw = None
-        if blocks is not None and kind in GGUF_GEMV_TYPES and w.dim() == 2:
+        if blocks is not None and kind in GGUF_TYPE_IDS and w.dim() == 2:
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(w.shape[0], -1)
         if cfg.architecture in ("llama", "mistral"):
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
@@ -306,13 +302,13 @@ def iter_gguf_tensors(
                 w = unpermute_qk(w, cfg.num_kv_heads)
                 raw = None if raw is None else unpermute_qk(raw, cfg.num_kv_heads)
         if raw is not None:
-            blocks[name] = (GGUF_GEMV_TYPES[kind], raw.contiguous())
+            blocks[name] = (GGUF_TYPE_IDS[kind], raw.contiguous())
         yield name, w
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
 def _cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+    return ENV.cache_dir
 
 
 def load_hf_tokenizer(path: str):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.core.request import Request
+from pagedserve.kernels import CpuKernels
+from pagedserve.sampling.metadata import Penalty, SamplingMetadata
 
 
 @dataclass(slots=True)
@@ -23,76 +24,63 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, kernels=None) -> None:
+    def __init__(self, seed: int = 0, kernels: CpuKernels | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.kernels = kernels  # pagedserve's C++ CPU kernels (argmax_rows), or None
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits: [len(requests), vocab] in the model's dtype (bf16 logits are upcast only if needed)."""
-        if self.kernels is not None and logits.device.type == "cpu" and all(map(_plain_greedy, requests)):
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [meta.num_rows, vocab] in the model's dtype (bf16 logits are upcast only if needed)."""
+        if self.kernels is not None and logits.device.type == "cpu" and meta.all_plain_greedy:
             # Greedy with nothing to adjust or report: argmax straight on the model's logits.
-            return SamplerOutput(self.kernels.argmax_rows(logits).tolist(), [None] * len(requests))
+            return SamplerOutput(self.kernels.argmax_rows(logits).tolist(), [None] * meta.num_rows)
         logits = logits.float()
         raw = logits
-        params = [r.sampling_params for r in requests]
-        logits = self._apply_min_tokens(logits, requests)
-        logits = self._apply_penalties(logits, requests)
-        greedy = torch.tensor([p.greedy for p in params])
-        if bool(greedy.all()):
+        logits = self._apply_min_tokens(logits, meta.banned)
+        logits = self._apply_penalties(logits, meta.penalties)
+        if meta.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
-            temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1)
-            probs = self._filter(logits / temps, params).softmax(dim=-1)
-            drawn = self._draw(probs, requests)
-            tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+            probs = self._filter(logits / meta.temperature, meta).softmax(dim=-1)
+            drawn = self._draw(probs, meta.generators)
+            tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, token_list, params))
+        return SamplerOutput(token_list, self._logprobs(raw, token_list, meta.num_logprobs))
 
     @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_min_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Before min_tokens are out, EOS and stop token ids cannot be drawn at all."""
-        rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens]
-        if not rows:
+        if not banned:
             return logits
         logits = logits.clone()
-        for i in rows:
-            r = requests[i]
-            banned = set(r.sampling_params.stop_token_ids)
-            if not r.sampling_params.ignore_eos:
-                banned |= r.eos_token_ids
-            if banned:
-                logits[i, sorted(banned)] = float("-inf")
+        for row, ids in banned:
+            logits[row, ids] = float("-inf")
         return logits
 
     # ---- penalties -------------------------------------------------------------------------------
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
-        if not rows:
+    def _apply_penalties(logits: torch.Tensor, penalties: list[Penalty]) -> torch.Tensor:
+        if not penalties:
             return logits
         logits = logits.clone()
         vocab = logits.shape[1]
-        for i in rows:  # only requests that asked for penalties pay for this
-            p = requests[i].sampling_params
-            out_ids = torch.tensor(requests[i].output_token_ids, dtype=torch.long)
+        for p in penalties:  # only requests that asked for penalties pay for this
+            out_ids = torch.tensor(p.output_token_ids, dtype=torch.long)
             counts = torch.bincount(out_ids, minlength=vocab)[:vocab].float()
-            row = logits[i]
-            if p.repetition_penalty != 1.0:
+            row = logits[p.row]
+            if p.repetition != 1.0:
                 seen = counts > 0
-                seen[torch.tensor(requests[i].prompt_token_ids, dtype=torch.long)] = True
-                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                seen[torch.tensor(p.prompt_token_ids, dtype=torch.long)] = True
+                penalised = torch.where(row > 0, row / p.repetition, row * p.repetition)
                 row = torch.where(seen, penalised, row)
-            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
-            logits[i] = row
+            row = row - p.frequency * counts - p.presence * (counts > 0).float()
+            logits[p.row] = row
         return logits
 
     # ---- top-k / top-p / min-p -------------------------------------------------------------------
     @staticmethod
-    def _filter(logits: torch.Tensor, params) -> torch.Tensor:
-        top_k = torch.tensor([p.top_k for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
-        min_p = torch.tensor([p.min_p for p in params])
-        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        top_k, top_p, min_p = meta.top_k, meta.top_p, meta.min_p
+        if top_k is not None and top_p is not None:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             vocab = logits.shape[1]
             keep = torch.ones_like(sorted_logits, dtype=torch.bool)
@@ -104,43 +92,33 @@ class Sampler:
             keep &= mass_before < top_p.unsqueeze(1)
             sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        if bool((min_p > 0).any()):
+        if min_p is not None:
             probs = logits.softmax(dim=-1)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
     # ---- the draw --------------------------------------------------------------------------------
-    def _draw(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(requests):
-            if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i].exponential_(generator=g)
         return (probs / q).argmax(dim=-1)
 
     # ---- logprobs --------------------------------------------------------------------------------
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], params):
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        result: list = [None] * len(params)
+    def _logprobs(raw: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]):
+        rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+        result: list = [None] * len(num_logprobs)
         if not rows:
             return result
         lp = raw[rows].log_softmax(dim=-1)
-        k = max(params[i].logprobs for i in rows)
+        k = max(num_logprobs[i] for i in rows)
         top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
         for j, i in enumerate(rows):
             chosen = lp[j, tokens[i]]
             rank = int((lp[j] > chosen).sum()) + 1
-            n = params[i].logprobs
+            n = num_logprobs[i]
             result[i] = (float(chosen), rank, top_ids[j, :n].tolist(), top_vals[j, :n].tolist())
         return result
-
-
-def _plain_greedy(r: Request) -> bool:
-    p = r.sampling_params
-    return p.greedy and p.logprobs is None and r.num_output_tokens >= p.min_tokens and not _has_penalty(r)
-
-
-def _has_penalty(r: Request) -> bool:
-    p = r.sampling_params
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

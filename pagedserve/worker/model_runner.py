@@ -1,16 +1,27 @@
-"""SchedulerOutput → flat tensors → model → logits of each sampling request's last token.
+"""SchedulerOutput → flat tensors → model → logits → sampled tokens.
 
-The flat batch concatenates every scheduled request's new tokens. Positions and slot mappings are
-computed with tensor ops from per-request (start, length) pairs, not per token in Python.
+The runner owns what runs on the device: the model, its KV cache tensors, the attention backend, the
+sampler, and the C++ CPU kernels, which it hands to each of them (one typed `CpuKernels`, or None). The
+flat batch concatenates every scheduled request's new tokens; positions and slot mappings are computed
+with tensor ops from per-request (start, length) pairs, not per token in Python.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.attention import AttentionMetadata, get_backend
+from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.kernels import CpuKernels
 from pagedserve.model.llama import KVCache, LlamaForCausalLM
+from pagedserve.model.matmul import Route
+from pagedserve.sampling.metadata import SamplingMetadata
+from pagedserve.sampling.sampler import Sampler, SamplerOutput
+
+logger = logging.getLogger("pagedserve")
 
 
 class ModelRunner:
@@ -18,15 +29,32 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         kv_caches: KVCache,
-        backend: AttentionBackend,
-        block_size: int,
-        device: str = "cpu",
+        config: EngineConfig,
+        gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.backend = backend
-        self.block_size = block_size
-        self.device = device
+        self.backend = get_backend(config.attention_backend)
+        self.sampler = Sampler(config.seed)
+        self.block_size = config.block_size
+        self.device = config.device
+        self.set_kernels(CpuKernels.from_config(config))
+        if config.device == "cpu":
+            routes = model.setup_matmuls(self.kernels, pack=config.pack_weights, batch_hint=config.max_num_seqs,
+                                         gguf_blocks=gguf_blocks)
+            few = {r.few_rows for r in routes}
+            if any(r.many_rows == Route.PACKED for r in routes):
+                logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)%s",
+                            "; decode-sized matmuls use the C++ GEMV" if Route.BF16_GEMV in few else "")
+            if few & {Route.GGUF_ROWS, Route.GGUF_R16}:
+                logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
+
+    def set_kernels(self, kernels: CpuKernels | None) -> None:
+        """Hand the one kernels object to everything that may use it: model, attention, sampler."""
+        self.kernels = kernels
+        self.model.set_kernels(kernels)
+        self.backend.kernels = kernels
+        self.sampler.kernels = kernels
 
     def prepare_inputs(self, out: SchedulerOutput):
         sched = out.scheduled
@@ -49,8 +77,7 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
-        sample_rows = [i for i, s in enumerate(sched) if s.sample]
-        logits_indices = query_start_loc[1:][sample_rows] - 1
+        logits_indices = query_start_loc[1:][self.sample_rows(out)] - 1
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
@@ -61,11 +88,17 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             block_size=self.block_size,
         )
-        return input_ids.to(dev), positions.to(dev), meta, logits_indices.to(dev), sample_rows
+        return input_ids.to(dev), positions.to(dev), meta, logits_indices.to(dev)
+
+    def sample_rows(self, out: SchedulerOutput) -> list[int]:
+        """Which scheduled rows sample a token this step (their chunk reaches the end of the known tokens)."""
+        return [i for i, s in enumerate(out.scheduled) if s.sample]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Logits [num_sampling_requests, vocab] and which scheduled rows they belong to."""
-        input_ids, positions, meta, logits_indices, sample_rows = self.prepare_inputs(out)
+    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> SamplerOutput | None:
+        """Run the step; the sampled tokens of the `sample_rows` (None when no row samples)."""
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         logits = self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices)
-        return logits, sample_rows
+        if sampling is None:
+            return None
+        return self.sampler(logits, sampling)

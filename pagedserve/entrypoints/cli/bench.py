@@ -1,0 +1,327 @@
+"""`pagedserve bench throughput|latency|serve`, modelled on `vllm bench`.
+
+Every mode prints a summary and can write it with --json. Prompts are random token ids from a seed
+(uniform in [1000, 20000), as the standard workloads use) or the lines of a prompts file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.config import MODEL_DTYPES
+from pagedserve.entrypoints.cli.args import add_engine_args, engine_config_from_args
+from pagedserve.kernels import cpu_info
+
+
+def random_prompts(num: int, input_len: int, seed: int, low: int = 1000, high: int = 20000) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (num, input_len), generator=g).tolist()
+
+
+def machine_info() -> dict:
+    info = cpu_info()
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in info.flags]
+    return {"cpu": info.model_name, "cpu_flags": flags, "cores": len(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _load_prompts(args, seed: int) -> list:
+    if getattr(args, "prompts_file", None):
+        lines = [ln for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
+        return lines[: args.num_prompts] if args.num_prompts else lines
+    prompts = random_prompts(args.num_prompts, args.input_len, seed)
+    shared = getattr(args, "shared_prefix_len", 0) or 0
+    if shared:  # the first `shared` tokens are the same for every prompt (a system prompt, few-shot)
+        prompts = [prompts[0][:shared] + p[shared:] for p in prompts]
+    return prompts
+
+
+def _write_json(args, result: dict) -> None:
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+# ---- throughput ----------------------------------------------------------------------------------
+def run_throughput(args, config) -> dict:
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM(**{k: v for k, v in vars(config).items() if k != "model"}, model=config.model)
+    prompts = _load_prompts(args, config.seed)
+    inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+    warm = {"prompt_token_ids": random_prompts(1, 16, config.seed + 1)[0]}
+    llm.generate([warm], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    llm.engine.reset_prefix_cache()
+    before = llm.engine.stats()
+    start = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    after = llm.engine.stats()
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    result = {
+        "mode": "throughput", "engine": "pagedserve", "model": llm.engine.served_model_name,
+        "dtype": str(llm.engine.dtype).removeprefix("torch."), "num_prompts": len(outs),
+        "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": elapsed,
+        "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
+        "prompt_tokens_per_s": prompt_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "ttft_s_mean": statistics.mean(ttfts), "ttft_s_p50": statistics.median(ttfts),
+        "shared_prefix_len": args.shared_prefix_len,
+        "enable_prefix_caching": llm.engine.config.enable_prefix_caching,
+        "computed_prefill_tokens": after.num_computed_prefill_tokens - before.num_computed_prefill_tokens,
+        "prefix_cache_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
+        "num_preemptions": after.num_preemptions - before.num_preemptions, "machine": machine_info(),
+    }
+    if args.compare_hf:
+        hf = run_hf_generate(llm.engine.model_path, _hf_dtype(args, llm.engine.dtype), prompts, args.output_len)
+        result["hf"] = hf
+        result["output_tokens_per_s_ratio_vs_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    return result
+
+
+def run_hf_generate(model_path: str, dtype: torch.dtype, prompts: list, output_len: int) -> dict:
+    """HF transformers `generate` as a static batch over the same prompts, same dtype, greedy."""
+    from transformers import AutoTokenizer
+
+    model = _hf_model(model_path, dtype)
+    if isinstance(prompts[0], str):
+        if os.path.isdir(model_path):
+            tok = AutoTokenizer.from_pretrained(model_path)
+        else:
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+        prompts = [tok.encode(p) for p in prompts]
+    lengths = {len(p) for p in prompts}
+    if len(lengths) != 1:
+        raise ValueError("compare-hf: prompts must have one length (static batch without padding)")
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        elapsed = time.perf_counter() - start
+    new_tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"engine": f"transformers {__import__('transformers').__version__} generate",
+            "dtype": str(dtype).removeprefix("torch."), "elapsed_s": elapsed,
+            "output_tokens_per_s": new_tokens / elapsed,
+            "total_tokens_per_s": (new_tokens + ids.numel()) / elapsed}
+
+
+# ---- latency -------------------------------------------------------------------------------------
+def run_latency(args, config) -> dict:
+    from pagedserve.engine.engine import LLMEngine
+    from pagedserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(config)
+    prompts = random_prompts(args.num_iters + 1, args.input_len, config.seed)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+    ttfts, tpots, e2es = [], [], []
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        first = None
+        engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params)
+        n = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None and out.outputs[0].token_ids:
+                    first = time.perf_counter()
+                n = len(out.outputs[0].token_ids)
+        end = time.perf_counter()
+        if i == 0:
+            continue  # warm-up
+        ttfts.append(first - start)
+        e2es.append(end - start)
+        tpots.append((end - first) / max(n - 1, 1))
+    result = {
+        "mode": "latency", "engine": "pagedserve", "model": engine.served_model_name,
+        "dtype": str(engine.dtype).removeprefix("torch."), "input_len": args.input_len,
+        "output_len": args.output_len, "num_iters": args.num_iters,
+        "ttft_s_mean": statistics.mean(ttfts), "tpot_s_mean": statistics.mean(tpots),
+        "e2e_s_mean": statistics.mean(e2es), "decode_tokens_per_s": 1.0 / statistics.mean(tpots),
+        "prompt_tokens_per_s": args.input_len / statistics.mean(ttfts), "machine": machine_info(),
+    }
+    if args.compare_hf:
+        hf = run_hf_latency(engine.model_path, _hf_dtype(args, engine.dtype), prompts[1:], args.output_len)
+        result["hf"] = hf
+        result["decode_tokens_per_s_ratio_vs_hf"] = result["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+    return result
+
+
+def run_hf_latency(model_path: str, dtype: torch.dtype, prompts: list, output_len: int) -> dict:
+    """HF transformers `generate`, one prompt at a time: TTFT (1 new token) and the decode rate."""
+    model = _hf_model(model_path, dtype)
+    ttfts, tpots = [], []
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, **kwargs)  # warm-up
+        for p in prompts:
+            ids = torch.tensor([p])
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+            total = time.perf_counter() - start
+            ttfts.append(ttft)
+            tpots.append((total - ttft) / max(output_len - 1, 1))
+    return {"engine": f"transformers {__import__('transformers').__version__} generate",
+            "dtype": str(dtype).removeprefix("torch."), "ttft_s_mean": statistics.mean(ttfts),
+            "tpot_s_mean": statistics.mean(tpots), "decode_tokens_per_s": 1.0 / statistics.mean(tpots)}
+
+
+def _hf_dtype(args, engine_dtype: torch.dtype) -> torch.dtype:
+    """--hf-dtype: "same" (the engine's dtype) or float32 / bfloat16 (e.g. to compare bf16 against fp32)."""
+    from pagedserve.model.loader import resolve_dtype
+
+    choice = getattr(args, "hf_dtype", "same")
+    return engine_dtype if choice == "same" else resolve_dtype(choice)
+
+
+def _hf_model(model_path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(model_path):
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    d, f = os.path.split(model_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
+
+
+# ---- serve ---------------------------------------------------------------------------------------
+def _percentiles(values: list[float], name: str) -> dict:
+    if not values:
+        return {}
+    s = sorted(values)
+
+    def pct(p: float) -> float:
+        return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+    return {f"{name}_mean": statistics.mean(s), f"{name}_p50": pct(50), f"{name}_p90": pct(90),
+            f"{name}_p99": pct(99)}
+
+
+async def _one_stream(client, url: str, body: dict, headers: dict) -> dict:
+    start = time.perf_counter()
+    stamps = []
+    async with client.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            return {"error": f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    if not stamps:
+        return {"error": "no tokens streamed"}
+    return {"ttft": stamps[0] - start, "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+            "e2e": end - start, "n": len(stamps)}
+
+
+async def _serve_load(args) -> dict:
+    import asyncio
+    import random
+
+    import httpx
+
+    prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.served_model
+    if model is None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            model = (await c.get(args.base_url.rstrip("/") + "/v1/models", headers=headers)).json()["data"][0]["id"]
+    sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    rng = random.Random(args.seed)
+    results = []
+
+    async def task(prompt):
+        body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        async with sem:
+            results.append(await _one_stream(client, url, body, headers))
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=None) as client:
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.create_task(task(p)))
+            if args.request_rate and args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    out_tokens = sum(r["n"] for r in ok)
+    result = {"mode": "serve", "base_url": args.base_url, "model": model, "num_prompts": len(prompts),
+              "completed": len(ok), "failed": len(results) - len(ok), "input_len": args.input_len,
+              "output_len": args.output_len, "request_rate": args.request_rate,
+              "max_concurrency": args.max_concurrency, "elapsed_s": elapsed,
+              "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+              "machine": machine_info()}
+    result.update(_percentiles([r["ttft"] for r in ok], "ttft_s"))
+    result.update(_percentiles([(r["e2e"] - r["ttft"]) / max(r["n"] - 1, 1) for r in ok], "tpot_s"))
+    result.update(_percentiles([x for r in ok for x in r["itl"]], "itl_s"))
+    return result
+
+
+def run_serve(args) -> dict:
+    import asyncio
+
+    return asyncio.run(_serve_load(args))
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    modes = p.add_subparsers(dest="mode", required=True)
+    for mode in ("throughput", "latency", "serve"):
+        m = modes.add_parser(mode)
+        m.add_argument("--input-len", type=int, default=128)
+        m.add_argument("--output-len", type=int, default=128)
+        m.add_argument("--num-prompts", type=int, default=128 if mode != "latency" else 1)
+        m.add_argument("--json", default=None, help="write the result to this file")
+        m.add_argument("--quiet", action="store_true")
+        if mode == "throughput":
+            m.add_argument("--prompts-file", default=None, help="one prompt per line instead of random ids")
+            m.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate")
+            m.add_argument("--hf-dtype", default="same", choices=["same", *MODEL_DTYPES[1:]],
+                           help="dtype of the HF run (default: the engine's)")
+            m.add_argument("--shared-prefix-len", type=int, default=0,
+                           help="make the first N prompt tokens common to all prompts (prefix caching)")
+        if mode == "latency":
+            m.add_argument("--num-iters", type=int, default=3)
+            m.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")
+            m.add_argument("--hf-dtype", default="same", choices=["same", *MODEL_DTYPES[1:]],
+                           help="dtype of the HF run (default: the engine's)")
+        if mode == "serve":
+            m.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+            m.add_argument("--base-url", default="http://127.0.0.1:8000")
+            m.add_argument("--served-model", default=None)
+            m.add_argument("--api-key", default=None)
+            m.add_argument("--request-rate", type=float, default=float("inf"))
+            m.add_argument("--max-concurrency", type=int, default=None)
+        else:
+            add_engine_args(m)
+
+        def run(args, mode=mode):
+            if mode == "serve":
+                result = run_serve(args)
+            else:
+                config = engine_config_from_args(args)
+                result = (run_throughput if mode == "throughput" else run_latency)(args, config)
+            _write_json(args, result)
+            return 0
+
+        m.set_defaults(func=run)

@@ -1,0 +1,49 @@
+"""`pagedserve kv`: the KV block formula, worked out for a model or explicit numbers."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.core.kv_math import blocks_for_tokens, bytes_per_block, capacity, dtype_bytes, human_bytes
+
+
+def run_kv(args: argparse.Namespace) -> int:
+    explicit = (args.layers, args.kv_heads, args.head_dim)
+    if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
+        raise ValueError("layers/kv-heads/head-dim: give all three, or --model")
+    max_len = None
+    if all(v is not None for v in explicit):
+        layers, kv_heads, head_dim = explicit
+        source = "explicit numbers"
+    else:
+        from pagedserve.model.loader import load_model_config
+
+        cfg, name = load_model_config(args.model)
+        layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        max_len = cfg.max_position_embeddings
+        source = f"model {name}"
+    elem = dtype_bytes(args.dtype)
+    block = bytes_per_block(layers, kv_heads, head_dim, args.block_size, elem)
+    print(f"KV cache block ({source}, {args.dtype}):")
+    print(
+        f"  2 × {layers} layers × {kv_heads} kv_heads × {head_dim} head_dim × {args.block_size} block_size"
+        f" × {elem} bytes = {block} bytes ({human_bytes(block)}) per block"
+    )
+    print(f"  = {human_bytes(block / args.block_size)} per token")
+    if args.request_len is not None and args.request_len < 1:
+        raise ValueError(f"request-len: must be >= 1, got {args.request_len}")
+    req_len = args.request_len or max_len
+    if req_len:
+        per_req = blocks_for_tokens(req_len, args.block_size)
+        print(f"  a request of {req_len} tokens (prompt + output) needs {per_req} blocks = "
+              f"{human_bytes(per_req * block)}")
+    if args.memory_gb is not None:
+        if args.memory_gb <= 0:
+            raise ValueError(f"memory-gb: must be > 0, got {args.memory_gb}")
+        cap = capacity(block, args.memory_gb * 1024**3, args.block_size)
+        print(f"  {args.memory_gb:g} GiB holds {cap.num_blocks} blocks = {cap.num_tokens} tokens")
+        if req_len:
+            print(f"  {cap.max_concurrency(req_len)} concurrent requests of {req_len} tokens fit")
+    elif args.request_len:
+        print("  (give --memory-gb to see how many such requests fit at once)")
+    return 0

@@ -1,0 +1,146 @@
+"""OpenAI-compatible HTTP server: the app, its error handling, auth and routing.
+
+Endpoints: /v1/completions (serving_completion.py), /v1/chat/completions (serving_chat.py), /tokenize and
+/detokenize (serving_tokenize.py), /v1/models (serving_models.py), /dashboard (entrypoints/dashboard),
+/metrics, /health. Every generating handler turns a request into one engine request per prompt (n samples
+each), all feeding one asyncio queue (`Run`), then either collects the final outputs or streams the
+deltas over SSE; a client that goes away has its requests aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.engine import LLMEngine
+from pagedserve.entrypoints.dashboard import serving as serving_dashboard
+from pagedserve.entrypoints.openai import serving_models, serving_tokenize
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from pagedserve.entrypoints.openai.serving_chat import create_chat_completion
+from pagedserve.entrypoints.openai.serving_completion import create_completion
+from pagedserve.entrypoints.openai.serving_engine import ServerContext
+from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
+
+logger = logging.getLogger("pagedserve")
+
+
+# ---- the app -------------------------------------------------------------------------------------
+def build_app(
+    engine: LLMEngine, api_key: str | None = None, log_interval_s: float = 10.0,
+    async_engine: AsyncLLMEngine | None = None,
+) -> FastAPI:
+    aengine = async_engine or AsyncLLMEngine(engine, log_interval_s, EngineMetrics(engine))
+    ctx = ServerContext(engine, aengine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(aengine.shutdown)
+
+    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.async_engine = aengine
+
+    # ---- errors -----------------------------------------------------------------------------------
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        if first.get("type") == "json_invalid":
+            message, param = f"invalid JSON body: {first.get('ctx', {}).get('error', '')}".strip(), None
+        else:
+            # A union field (prompt, stop, content) fails once per alternative: list them all.
+            same = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
+            msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in same))
+            message = f"{param or 'body'}: {' or '.join(msgs[:4])}"
+            if len(errors) > len(same):
+                message += f" (and {len(errors) - len(same)} more errors)"
+        return JSONResponse(OpenAIError(message, 400, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = OpenAIError(str(exc.detail), exc.status_code, code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        logger.exception("unhandled error")
+        err = OpenAIError(f"internal error: {exc}", 500, "server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise OpenAIError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
+                              code="invalid_api_key")
+
+    auth = [Depends(check_api_key)]
+
+    # ---- routes: one serving module per endpoint family ----------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not aengine.is_running:
+            raise OpenAIError("engine loop is not running", 503, "server_error")
+        return JSONResponse({})
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return serving_models.list_models(ctx)
+
+    @app.get("/metrics", dependencies=auth)
+    async def prometheus():
+        return Response(aengine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard")
+    async def dashboard():
+        return serving_dashboard.dashboard_page()
+
+    @app.get("/dashboard/state", dependencies=auth)
+    async def dashboard_state():
+        return await serving_dashboard.dashboard_state(ctx)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+        return serving_tokenize.tokenize(ctx, body)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest):
+        return serving_tokenize.detokenize(ctx, body)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(ctx, body, raw)
+
+    return app

@@ -1,0 +1,154 @@
+"""OpenAI request/response shapes (pydantic), and their mapping to SamplingParams.
+
+Requests ignore fields they do not know (clients send `user`, `logit_bias`, ...); responses are built
+as plain dicts in the serving_*.py modules with the exact shapes OpenAI's clients parse.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from pagedserve.sampling_params import SamplingParams
+
+MAX_N = 128  # samples per request: a guard against one request filling the whole engine
+_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[\d+\])?:")
+SeedInt = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+
+
+class OpenAIError(Exception):
+    """Raised by handlers; rendered as OpenAI's error body."""
+
+    def __init__(
+        self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+        param: str | None = None, code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_value_error(cls, e: ValueError) -> OpenAIError:
+        """SamplingParams and the engine raise "field: reason"; the field becomes `param`."""
+        text = str(e)
+        m = _FIELD.match(text)
+        return cls(text, 400, param=m.group(1) if m else None)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: SeedInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if not 1 <= self.n <= MAX_N:
+            raise OpenAIError(f"n: must be an integer in [1, {MAX_N}], got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options: only allowed when stream is true", param="stream_options")
+        values: dict[str, Any] = dict(
+            n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty)
+        values.update({k: v for k, v in optional.items() if v is not None})
+        try:
+            return SamplingParams(**values)
+        except ValueError as e:
+            raise OpenAIError.from_value_error(e) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptField = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptField
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Request):
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -1,0 +1,107 @@
+"""POST /v1/chat/completions: messages in, an assistant message out, through the model's chat template;
+streaming and non-streaming shapes, and the logprobs shape of this endpoint."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, OpenAIError
+from pagedserve.entrypoints.openai.serving_engine import (
+    Deltas,
+    Run,
+    ServerContext,
+    SSEResponse,
+    guarded,
+    ranked,
+    sse_chunk,
+    usage,
+)
+from pagedserve.outputs import CompletionOutput, Logprob
+
+
+async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: Request):
+    tok = ctx.tokenizer
+    ctx.check_model(body.model)
+    text = apply_template(tok, body.messages, body.add_generation_prompt)
+    ids = tok.encode(text, add_special_tokens=False)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
+    top = body.top_logprobs or 0
+    params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    run = Run(ctx.async_engine)
+    await run.add([(rid, {"prompt": text, "prompt_token_ids": ids})], params)
+    created = int(time.time())
+    if body.stream:
+        return SSEResponse(stream_chat(run, body, rid, created, ctx.model_name, len(ids), top), run)
+    if not await run.wait(raw):
+        return Response(status_code=499)
+    out = run.finished[rid]
+    choices = [{
+        "index": o.index,
+        "message": {"role": "assistant", "content": o.text},
+        "logprobs": chat_logprobs(o, 0, len(o.token_ids), top) if body.logprobs else None,
+        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+    } for o in out.outputs]
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(len(ids), sum(len(o.token_ids) for o in out.outputs)),
+    }
+
+
+def apply_template(tok, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    if not messages:
+        raise OpenAIError("messages: must be a non-empty list", param="messages")
+    try:
+        return tok.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt)
+    except ValueError as e:
+        raise OpenAIError.from_value_error(e) from None
+    except Exception as e:  # a template that raises on this conversation (e.g. role order) is bad input
+        raise OpenAIError(f"messages: the chat template rejected them: {e}", param="messages") from None
+
+
+def chat_logprobs(o: CompletionOutput, start: int, end: int, k: int) -> dict:
+    def item(lp: Logprob) -> dict:
+        tok = lp.decoded_token or ""
+        return {"token": tok, "logprob": max(lp.logprob, -9999.0), "bytes": list(tok.encode("utf-8"))}
+
+    content = []
+    for tid, entry in zip(o.token_ids[start:end], (o.logprobs or [])[start:end], strict=False):
+        chosen = entry.get(tid) or Logprob(float("-inf"))
+        content.append({**item(chosen), "top_logprobs": [item(lp) for lp in ranked(entry, k)]})
+    return {"content": content}
+
+
+def stream_chat(run: Run, body: ChatCompletionRequest, rid: str, created: int, model: str,
+                 prompt_tokens: int, top: int) -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[str]:
+        deltas = Deltas()
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            return sse_chunk(rid, "chat.completion.chunk", created, model, choices, usage)
+
+        for j in range(body.n):
+            yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for out in run.outputs():
+            for o in out.outputs:
+                got = deltas.take(o.index, o)
+                if got is None:
+                    continue
+                text, start, end = got
+                lp = chat_logprobs(o, start, end, top) if body.logprobs else None
+                delta = {"content": text} if text else {}
+                yield chunk([{"index": o.index, "delta": delta, "logprobs": lp,
+                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
+        if body.include_usage:
+            completion_tokens = sum(len(o.token_ids) for out in run.finished.values() for o in out.outputs)
+            yield chunk([], usage(prompt_tokens, completion_tokens))
+
+    return guarded(events(), run)

@@ -1,0 +1,53 @@
+"""Every environment variable pagedserve reads, read once, here.
+
+The compute-path switches only supply the defaults of `EngineConfig` fields (an explicit argument, or
+the matching CLI flag, wins): they exist so a benchmark or a debugging session can flip a path without
+touching code. Nothing else in the package looks at os.environ.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name) == "1"
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    # EngineConfig defaults (see config.py for what each switch does)
+    use_cpp_kernels: bool  # PAGEDSERVE_NO_EXTENSION=1 -> False
+    cpu_arch: str  # PAGEDSERVE_CPU_ARCH, e.g. x86-64-v3 (default: native)
+    pack_weights: bool  # PAGEDSERVE_NO_PACK=1 -> False
+    bf16_gemv: bool  # PAGEDSERVE_NO_GEMV=1 -> False
+    gguf_gemv: bool  # PAGEDSERVE_NO_GGUF_GEMV=1 -> False
+    decode_stack: bool  # PAGEDSERVE_NO_DECODE_STACK=1 -> False
+    keep_dequantized_weights: bool  # PAGEDSERVE_KEEP_DEQUANTIZED=1 -> True
+    # elsewhere
+    cache_dir: Path  # PAGEDSERVE_CACHE: converted tokenizers (default ~/.cache/pagedserve)
+    api_key: str | None  # PAGEDSERVE_API_KEY: default of `serve --api-key`
+    configure_logging: bool  # PAGEDSERVE_CONFIGURE_LOGGING=0 -> False
+    logging_level: str  # PAGEDSERVE_LOGGING_LEVEL (default INFO)
+
+
+def read_environment() -> Environment:
+    env = os.environ
+    return Environment(
+        use_cpp_kernels=not _flag("PAGEDSERVE_NO_EXTENSION"),
+        cpu_arch=env.get("PAGEDSERVE_CPU_ARCH") or "native",
+        pack_weights=not _flag("PAGEDSERVE_NO_PACK"),
+        bf16_gemv=not _flag("PAGEDSERVE_NO_GEMV"),
+        gguf_gemv=not _flag("PAGEDSERVE_NO_GGUF_GEMV"),
+        decode_stack=not _flag("PAGEDSERVE_NO_DECODE_STACK"),
+        keep_dequantized_weights=_flag("PAGEDSERVE_KEEP_DEQUANTIZED"),
+        cache_dir=Path(env.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"),
+        api_key=env.get("PAGEDSERVE_API_KEY"),
+        configure_logging=env.get("PAGEDSERVE_CONFIGURE_LOGGING", "1") != "0",
+        logging_level=env.get("PAGEDSERVE_LOGGING_LEVEL", "INFO").upper(),
+    )
+
+
+ENV = read_environment()

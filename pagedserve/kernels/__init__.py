@@ -1,0 +1,84 @@
+"""The one owner of pagedserve's C++ CPU kernels.
+
+`CpuKernels.from_config(config)` builds (or loads) the extension once and says, in typed fields, what
+this engine may use: the fused elementwise ops and the paged decode attention (every build), the bf16
+GEMV (AVX512-BF16 builds), the GEMVs over GGUF blocks (AVX-512 builds) and DecodeStack, each also
+switched by the engine config. The model runner hands the one object to the model, the attention
+backend and the sampler; None means "no C++ at all" (pure PyTorch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.kernels.build import load_extension
+from pagedserve.kernels.cpu_info import CpuInfo, cpu_info
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
+
+__all__ = ["CpuInfo", "CpuKernels", "cpu_info", "load_extension"]
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    ext: ModuleType  # the compiled extension (its functions are listed in csrc/bindings.cpp)
+    arch: str  # the -march it was built for
+    has_avx512: bool
+    bf16_gemv: bool  # gemv_bf16 for 1-4 rows of bf16 (built with AVX512-BF16, and enabled)
+    gguf_gemv: bool  # gemv_gguf / gemv_gguf_r16 over Q4_0/Q4_1/Q8_0 blocks (AVX-512, and enabled)
+    gguf_block_types: frozenset[int]  # ggml type ids the GGUF GEMVs read (empty when gguf_gemv is off)
+    decode_stack: bool  # DecodeStack: every layer of a few-sequence decode step in one call
+
+    @classmethod
+    def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
+              decode_stack: bool = True) -> CpuKernels | None:
+        ext = load_extension(arch)
+        if ext is None:
+            return None
+        gguf = gguf_gemv and ext.has_gguf_gemv()
+        return cls(
+            ext=ext,
+            arch=arch,
+            has_avx512=ext.has_avx512(),
+            bf16_gemv=bf16_gemv and ext.has_bf16_gemv(),
+            gguf_gemv=gguf,
+            gguf_block_types=frozenset(t for t, *_ in ext.gguf_block_layouts()) if gguf else frozenset(),
+            decode_stack=decode_stack,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> CpuKernels | None:
+        """What an engine of this config uses on the CPU; None without C++ (switched off, the reference
+        attention backend, another device, or no compiler)."""
+        if not config.use_cpp_kernels or config.attention_backend == "torch_ref" or config.device != "cpu":
+            return None
+        return cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
+                         decode_stack=config.decode_stack)
+
+    def replace(self, **changes: Any) -> CpuKernels:
+        """A copy with some capabilities switched off (tests and benchmarks compare paths this way)."""
+        return dataclasses.replace(self, **changes)
+
+    # ---- the fused ops every build has (thin, typed entry points) -----------------------------------
+    def rms_norm(self, x, weight, eps: float):
+        return self.ext.rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps: float) -> None:
+        self.ext.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int,
+                        num_kv_heads: int) -> None:
+        self.ext.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+    def silu_and_mul(self, gate_up):
+        return self.ext.silu_and_mul(gate_up)
+
+    def argmax_rows(self, logits):
+        return self.ext.argmax_rows(logits)
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale: float) -> None:
+        self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale)

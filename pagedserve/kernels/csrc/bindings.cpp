@@ -1,0 +1,44 @@
+// Python bindings of pagedserve's CPU kernels (built at first use by pagedserve/kernels/build.py).
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gguf_layouts.h"
+#include "ops.h"
+
+namespace pagedserve {
+void bind_decode_stack(pybind11::module& m);
+}  // namespace pagedserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pagedserve::bind_decode_stack(m);
+  m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
+        "decode attention over a paged KV cache, written into out's rows");
+  m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm of [T, H] rows");
+  m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
+  m.def("rotary_write_kv", &pagedserve::rotary_write_kv, "rotary on q/k in place + K/V into the paged cache");
+  m.def("silu_and_mul", &pagedserve::silu_and_mul, "SwiGLU: silu(gate) * up");
+  m.def("argmax_rows", &pagedserve::argmax_rows, "first argmax of each row (greedy sampling)");
+  m.def("has_bf16_gemv", &pagedserve::has_bf16_gemv, "whether gemv_bf16 is built (AVX512-BF16)");
+  m.def("gemv_bf16", &pagedserve::gemv_bf16, "x @ w.T (+ bias) for 1-4 rows of bf16, memory-bound");
+  m.def("has_gguf_gemv", &pagedserve::has_gguf_gemv, "whether gemv_gguf is built (AVX-512)");
+  m.def("gemv_gguf", &pagedserve::gemv_gguf, "x @ w.T (+ bias) for 1-4 rows, w read from GGUF Q4_0/Q4_1/Q8_0 blocks");
+  m.def("gemv_gguf_r16", &pagedserve::gemv_gguf_r16,
+        "x @ w.T (+ bias) for 1-4 rows, w in GGUF blocks regrouped by 16 rows (layers.repack_gguf)");
+  m.def("gguf_block_layouts", []() {
+    // (type id, name, block bytes, quant offset, quant bytes, min offset): the C++ side of the table in
+    // pagedserve/model/matmul.py.
+    std::vector<std::tuple<int64_t, std::string, int64_t, int64_t, int64_t, int64_t>> out;
+    for (const auto& l : pagedserve::kGgufLayouts) {
+      out.emplace_back(l.type, l.name, l.block_bytes, l.quant_offset, l.quant_bytes, l.min_offset);
+    }
+    return out;
+  });
+  m.def("has_avx512", []() {
+#ifdef __AVX512F__
+    return true;
+#else
+    return false;
+#endif
+  });
+}

@@ -1,0 +1,113 @@
+// Every decoder layer of one decode step in a single call, for a few sequences (single-stream latency).
+//
+// With one to four new tokens, a step is ~10 small kernels per layer; from Python each costs more in
+// interpreter and dispatch overhead than in work. DecodeStack holds the layers' weights and caches once
+// and runs the same kernels, in the same order, as the model's fused Python path (so the two agree):
+//   norm (fused with the previous residual add) -> qkv matmul -> rotary + K/V write -> paged decode
+//   attention -> o matmul -> residual add + norm -> gate_up matmul -> SwiGLU -> down matmul.
+// Each matmul runs the route Python chose for it at load (pagedserve/model/matmul.py); nothing is
+// decided here.
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+
+namespace pagedserve {
+
+// How a matmul of a few rows runs. The values are pagedserve/model/matmul.py's Route (a test checks them
+// through the `matmul_routes` binding).
+enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3 };
+
+// One matmul: its route, the plain weight and bias, and for the GGUF routes the block tensors
+// ([blocks] in GGUF's row layout, or [qs, scales, mins] regrouped by 16 rows; mins empty unless Q4_1).
+struct MatmulSpec {
+  int64_t route;
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> bias;
+  std::vector<torch::Tensor> q;
+  int64_t qtype;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    switch (route) {
+      case kGgufR16:
+        return gemv_gguf_r16(x, q[0], q[1], q[2].numel() ? c10::optional<torch::Tensor>(q[2]) : c10::nullopt,
+                             qtype, bias);
+      case kGgufRows: return gemv_gguf(x, q[0], qtype, bias);
+      case kBf16Gemv: return gemv_bf16(x, weight, bias);
+      default: return at::linear(x, weight, bias);
+    }
+  }
+};
+
+// One decoder layer: its two norms' weights, its four matmuls and its slice of the paged KV cache.
+struct DecodeLayer {
+  torch::Tensor ln1, ln2;
+  MatmulSpec qkv, o, gate_up, down;
+  torch::Tensor k_cache, v_cache;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int64_t num_kv_heads, double eps, double scale)
+      : layers_(std::move(layers)), H_(num_heads), KVH_(num_kv_heads), eps_(eps), scale_(scale) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
+    for (const auto& l : layers_) {
+      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+        const size_t need = m->route == kGgufR16 ? 3 : (m->route == kGgufRows ? 1 : 0);
+        TORCH_CHECK(m->route >= kLinear && m->route <= kGgufR16 && m->q.size() == need,
+                    "DecodeStack: matmul route ", m->route, " with ", m->q.size(), " block tensors");
+      }
+    }
+  }
+
+  // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32;
+  // slot_mapping [B]; block_tables [B, W]; seq_lens [B]. Returns the last layer's output + residual.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+                        torch::Tensor block_tables, torch::Tensor seq_lens) {
+    const int64_t B = x.size(0), D = layers_[0].k_cache.size(3), q_size = H_ * D;
+    static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
+    torch::Tensor residual = x;
+    torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecodeLayer& l = layers_[i];
+      if (i > 0) fused_add_rms_norm(h, residual, l.ln1, eps_);
+      torch::Tensor qkv = l.qkv(h);
+      rotary_write_kv(qkv, cos, sin, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D});
+      torch::Tensor attn = torch::empty({B, H_, D}, qkv.options());
+      paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_);
+      h = l.o(attn.view({B, q_size}));
+      fused_add_rms_norm(h, residual, l.ln2, eps_);
+      h = l.down(silu_and_mul(l.gate_up(h)));
+    }
+    return h + residual;
+  }
+
+ private:
+  std::vector<DecodeLayer> layers_;
+  int64_t H_, KVH_;
+  double eps_, scale_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  // module_local: two builds of these kernels (native and portable) may be loaded in one process.
+  py::class_<MatmulSpec>(m, "MatmulSpec", py::module_local())
+      .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>, std::vector<torch::Tensor>, int64_t>(),
+           py::arg("route"), py::arg("weight"), py::arg("bias"), py::arg("q"), py::arg("qtype"));
+  py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local())
+      .def(py::init<torch::Tensor, torch::Tensor, MatmulSpec, MatmulSpec, MatmulSpec, MatmulSpec, torch::Tensor,
+                    torch::Tensor>(),
+           py::arg("ln1"), py::arg("ln2"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("k_cache"), py::arg("v_cache"));
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
+      .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double>(), py::arg("layers"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"))
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
+  m.def("matmul_routes", []() {
+    return std::vector<std::pair<std::string, int64_t>>{
+        {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16}};
+  });
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,199 @@
+"""Matmul routing: how each weight's matmul runs on this machine, decided once at load, in one place.
+
+A matmul of a few rows (a decode step of 1-4 sequences) is bound by reading the weight once; a matmul
+of many rows is a GEMM bound by compute. So each weight gets two routes:
+
+* few rows (<= GEMV_MAX_ROWS): read the GGUF blocks the weight came from (C++ GEMV; exactly the float32
+  weights the reference dequantizes), else the C++ bf16 GEMV over the plain weight, else as many rows;
+* many rows: oneDNN with the weight pre-packed once (bf16 on CPUs with native bf16), else `linear`.
+
+DecodeStack (csrc/decode_stack.cpp) runs the few-rows route it is handed (`MatmulRoutes.decode_spec`);
+C++ never chooses. The table of GGUF block layouts below is the Python half of csrc/gguf_layouts.h (a
+test checks the two against each other and against gguf-py's block sizes).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import CpuKernels, cpu_info
+
+
+@dataclass(frozen=True, slots=True)
+class GgufBlockLayout:
+    type_id: int  # ggml's type id
+    name: str
+    block_bytes: int  # 32 weights per block
+    quant_offset: int  # first quant byte (the fp16 scale is at byte 0)
+    quant_bytes: int
+    min_offset: int  # fp16 min, or -1
+
+    @property
+    def has_min(self) -> bool:
+        return self.min_offset >= 0
+
+
+GGUF_BLOCK_LAYOUTS: dict[int, GgufBlockLayout] = {
+    layout.type_id: layout
+    for layout in (
+        GgufBlockLayout(2, "Q4_0", 18, 2, 16, -1),
+        GgufBlockLayout(3, "Q4_1", 20, 4, 16, 2),
+        GgufBlockLayout(8, "Q8_0", 34, 2, 32, -1),
+    )
+}
+GGUF_TYPE_IDS = {layout.name: t for t, layout in GGUF_BLOCK_LAYOUTS.items()}
+
+# Up to this many rows a matmul is a GEMV bound by reading the weight once (DecodeStack's limit too).
+GEMV_MAX_ROWS = 4
+# Rows above which a bf16 matmul is done in float32 on CPUs without native bf16 math (AVX2 only): there
+# the bf16 GEMM is emulated and ~3x slower than float32 once compute-bound, while for a few rows
+# (decode of few sequences) it is memory-bound and bf16's halved weight traffic wins ~3x.
+BF16_EMULATED_MAX_ROWS = 16
+
+
+class Route(enum.IntEnum):
+    """The values are csrc/decode_stack.cpp's `Route` (checked by a test); PACKED is Python-only."""
+
+    LINEAR = 0
+    BF16_GEMV = 1
+    GGUF_ROWS = 2  # GGUF blocks in the file's row layout
+    GGUF_R16 = 3  # GGUF blocks regrouped by 16 rows (one vector lane per output row)
+    PACKED = 4  # oneDNN, weight pre-packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except bf16 on a CPU without native bf16 with many rows: upcast, multiply, round back.
+
+    Both routes take bf16 inputs and accumulate in float32, so they agree up to summation order.
+    """
+    if (
+        weight.dtype == torch.bfloat16
+        and x.shape[0] > BF16_EMULATED_MAX_ROWS
+        and x.device.type == "cpu"
+        and not cpu_info().has_native_bf16
+    ):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+def onednn_packing_available() -> bool:
+    """oneDNN (mkldnn) can pre-pack bf16 weights for its AMX / AVX512-BF16 matmul kernels."""
+    return (
+        cpu_info().has_native_bf16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
+    """The weight reordered once into oneDNN's blocked layout, or None where that does not apply.
+
+    F.linear on a plain bf16 weight makes oneDNN reorder the whole weight at every call; packed once,
+    a decode-sized matmul runs about twice as fast (memory-bound GEMV) and gives the same numbers.
+    """
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not onednn_packing_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def repack_gguf(type_id: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF blocks [N, K/32 * block_bytes] regrouped by 16 rows for `gemv_gguf_r16`: quants
+    [N/16, K/32, j, 16] (the j-th quant byte of 16 rows side by side), fp16 scales and mins
+    [N/16, K/32, 16] (mins empty unless Q4_1). No value changes, only the order of the bytes."""
+    layout = GGUF_BLOCK_LAYOUTS[type_id]
+    n = blocks.shape[0]
+    nb = blocks.shape[1] // layout.block_bytes
+    b = blocks.view(n, nb, layout.block_bytes)
+
+    def by16(t: torch.Tensor) -> torch.Tensor:  # [N, nb, X] -> [N/16, nb, X, 16]
+        return t.reshape(n // 16, 16, nb, t.shape[-1]).permute(0, 2, 3, 1).contiguous()
+
+    def halves(lo: int) -> torch.Tensor:  # fp16 field at byte offset lo of every block -> [N/16, nb, 16]
+        return by16(b[:, :, lo : lo + 2].contiguous().view(torch.float16)).reshape(n // 16, nb, 16)
+
+    mins = halves(layout.min_offset) if layout.has_min else torch.empty(0, dtype=torch.float16)
+    return by16(b[:, :, layout.quant_offset :]), halves(0), mins
+
+
+class GgufMatmul:
+    """x @ W.T (+ bias) for 1-4 rows of x, W read from its GGUF blocks by the C++ kernels: regrouped by 16
+    rows when the row count allows (no horizontal sums), else in GGUF's own row layout."""
+
+    def __init__(self, ext: ModuleType, type_id: int, blocks: torch.Tensor) -> None:
+        """ext: the C++ extension (CpuKernels.ext, or kernels.load_extension's module)."""
+        self.type_id = type_id
+        self.route = Route.GGUF_R16 if blocks.shape[0] % 16 == 0 else Route.GGUF_ROWS
+        if self.route == Route.GGUF_R16:
+            self.qs, self.scales, self.mins = repack_gguf(type_id, blocks)
+            self.fn = ext.gemv_gguf_r16
+        else:
+            self.blocks = blocks
+            self.fn = ext.gemv_gguf
+
+    @property
+    def regrouped(self) -> bool:
+        return self.route == Route.GGUF_R16
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The block tensors DecodeStack's MatmulSpec takes for this route."""
+        return [self.qs, self.scales, self.mins] if self.regrouped else [self.blocks]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.regrouped:
+            return self.fn(x, self.qs, self.scales, self.mins if self.mins.numel() else None, self.type_id, bias)
+        return self.fn(x, self.blocks, self.type_id, bias)
+
+
+class MatmulRoutes:
+    """The routes of one weight's matmul (see the module docstring). Until `setup` runs, every matmul is
+    plain `linear`; the plain weight stays the source of truth (embedding lookup, fallbacks)."""
+
+    def __init__(self) -> None:
+        self.few_rows = Route.LINEAR
+        self.many_rows = Route.LINEAR
+        self.packed: torch.Tensor | None = None
+        self.gemv = None  # the C++ bf16 GEMV function, on the BF16_GEMV route
+        self.qgemv: GgufMatmul | None = None
+
+    def setup(self, weight: torch.Tensor, kernels: CpuKernels | None, *, pack: bool, batch_hint: int,
+              qweight: tuple[int, torch.Tensor] | None = None) -> None:
+        """Choose both routes. qweight: (ggml type id, uint8 blocks) the weight was dequantized from."""
+        self.packed = pack_weight(weight, batch_hint) if pack else None
+        self.many_rows = Route.PACKED if self.packed is not None else Route.LINEAR
+        usable = qweight is not None and kernels is not None and qweight[0] in kernels.gguf_block_types
+        self.qgemv = GgufMatmul(kernels.ext, *qweight) if usable else None
+        self.gemv = kernels.ext.gemv_bf16 if self.packed is not None and kernels and kernels.bf16_gemv else None
+        if self.qgemv is not None:
+            self.few_rows = self.qgemv.route
+        elif self.gemv is not None:
+            self.few_rows = Route.BF16_GEMV
+        else:
+            self.few_rows = self.many_rows
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+        if route == Route.LINEAR:
+            return linear(x, weight, bias)
+        if route == Route.PACKED:
+            return packed_linear(x, self.packed, bias)
+        if route == Route.BF16_GEMV:
+            return self.gemv(x, weight, bias)
+        return self.qgemv(x, bias)
+
+    def decode_spec(self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None):
+        """This matmul's few-rows route as DecodeStack's MatmulSpec (PACKED runs as LINEAR there: the
+        packed matmul gives F.linear's numbers)."""
+        route = Route.LINEAR if self.few_rows == Route.PACKED else self.few_rows
+        q = self.qgemv.tensors() if self.qgemv is not None else []
+        qtype = self.qgemv.type_id if self.qgemv is not None else 0
+        return kernels.ext.MatmulSpec(int(route), weight, bias, q, qtype)

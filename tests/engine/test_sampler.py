@@ -1,0 +1,253 @@
+"""Sampler unit tests: greedy, top-k/top-p/min-p, penalties, seeds, the distribution, logprobs."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+
+from pagedserve.core.request import Request
+from pagedserve.kernels import CpuKernels
+from pagedserve.sampling.metadata import SamplingMetadata
+from pagedserve.sampling.sampler import Sampler as EngineSampler
+from pagedserve.sampling_params import SamplingParams
+
+VOCAB = 12
+# Each seeded request's own generator, made at its first draw and kept with the Request object (the
+# engine keeps them by request id in RequestGenerators).
+_GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _generator(r: Request) -> torch.Generator | None:
+    seed = r.sampling_params.seed
+    if seed is None:
+        return None
+    if r not in _GENERATORS:
+        _GENERATORS[r] = torch.Generator().manual_seed(seed)
+    return _GENERATORS[r]
+
+
+class Sampler(EngineSampler):
+    """The engine's sampler, fed the way the engine feeds it: SamplingMetadata built from the requests."""
+
+    def __call__(self, logits, requests):
+        return super().__call__(logits, SamplingMetadata.from_requests(requests, [_generator(r) for r in requests]))
+
+
+def apply_penalties(logits, requests):
+    return EngineSampler._apply_penalties(logits, SamplingMetadata.from_requests(requests).penalties)
+
+
+def req(rid: str = "r", prompt=(1, 2, 3), outputs=(), eos=frozenset({0}), **params) -> Request:
+    r = Request(rid, list(prompt), SamplingParams(**params), eos, max_tokens=64)
+    for t in outputs:
+        r.append_output_token(t)
+    return r
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(5)
+    out = Sampler()(logits, [req(str(i), temperature=0) for i in range(5)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 5
+
+
+def test_greedy_rows_stay_argmax_in_a_mixed_batch():
+    logits = random_logits(4)
+    reqs = [req("g0", temperature=0), req("s", temperature=1.0), req("g1", temperature=0), req("s2", top_k=3)]
+    out = Sampler()(logits, reqs)
+    argmax = logits.argmax(dim=-1).tolist()
+    assert out.token_ids[0] == argmax[0] and out.token_ids[2] == argmax[2]
+
+
+def test_top_k_1_is_greedy():
+    logits = random_logits(6, seed=1)
+    for seed in range(5):
+        out = Sampler(seed)(logits, [req(str(i), temperature=1.5, top_k=1) for i in range(6)])
+        assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_top_p_is_argmax():
+    logits = random_logits(6, seed=2)
+    for seed in range(5):
+        out = Sampler(seed)(logits, [req(str(i), temperature=1.0, top_p=1e-6) for i in range(6)])
+        assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_only_draws_from_the_k_best():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, :] = torch.arange(VOCAB, dtype=torch.float)  # token VOCAB-1 is best
+    sampler = Sampler(3)
+    seen = {sampler(logits, [req(temperature=5.0, top_k=3)]).token_ids[0] for _ in range(200)}
+    assert seen == {VOCAB - 1, VOCAB - 2, VOCAB - 3}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    sampler = Sampler(4)
+    seen = {sampler(logits, [req(temperature=1.0, top_p=0.75)]).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.75, 0.5 + 0.3 reaches it
+    seen = {sampler(logits, [req(temperature=1.0, top_p=0.81)]).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1, 2}
+
+
+def test_min_p_drops_tokens_below_the_threshold():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    sampler = Sampler(5)
+    seen = {sampler(probs.log(), [req(temperature=1.0, min_p=0.5)]).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1}  # 0.15 < 0.5 * 0.5
+    seen = {sampler(probs.log(), [req(temperature=1.0, min_p=0.2)]).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1, 2}
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative():
+    logits = torch.tensor([[2.0, -2.0, 4.0, -4.0, 1.0, 0.5]])
+    r = req(prompt=[0], outputs=[1], repetition_penalty=2.0, temperature=0)
+    out = apply_penalties(logits, [r])
+    expected = torch.tensor([[1.0, -4.0, 4.0, -4.0, 1.0, 0.5]])
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(logits, torch.tensor([[2.0, -2.0, 4.0, -4.0, 1.0, 0.5]]))  # input untouched
+
+
+def test_frequency_and_presence_penalties_subtract():
+    logits = torch.zeros(1, 6)
+    # Prompt tokens do not count for frequency/presence, only generated ones.
+    r = req(prompt=[5, 5], outputs=[1, 1, 1, 2], frequency_penalty=0.5, presence_penalty=0.25, temperature=0)
+    out = apply_penalties(logits, [r])
+    expected = torch.tensor([[0.0, -1.5 - 0.25, -0.5 - 0.25, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert Sampler()(logits, [req(prompt=[2], outputs=[0], temperature=0)]).token_ids == [0]
+    assert Sampler()(logits, [req(prompt=[2], outputs=[0], temperature=0, presence_penalty=0.5)]).token_ids == [1]
+    assert Sampler()(logits, [req(prompt=[2], outputs=[0], temperature=0, repetition_penalty=1.1)]).token_ids == [1]
+    # A token seen only in the prompt is penalised by repetition_penalty too.
+    assert Sampler()(logits, [req(prompt=[0], temperature=0, repetition_penalty=1.1)]).token_ids == [1]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens():
+    logits = torch.tensor([[10.0, 9.0, 1.0, 0.0]])  # EOS (0) then stop token 1 are best
+    r = req(eos=frozenset({0}), temperature=0, min_tokens=2, max_tokens=5, stop_token_ids=[1])
+    assert Sampler()(logits, [r]).token_ids == [2]
+    r.append_output_token(2)
+    r.append_output_token(3)
+    assert Sampler()(logits, [r]).token_ids == [0]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = random_logits(4, seed=7)
+    target = logits[2:3]
+
+    def alone():
+        return [req("x", temperature=1.0, seed=42)]
+
+    def crowded():
+        return [req("a", temperature=0.7), req("b", temperature=0), req("x", temperature=1.0, seed=42),
+                req("c", temperature=1.3, seed=9)]
+
+    # The seeded request keeps its generator across calls, so build it once per sequence of draws.
+    x1 = alone()
+    s1 = Sampler(seed=1)
+    seq_alone = [s1(target, x1).token_ids[0] for _ in range(30)]
+    batch = crowded()
+    s2 = Sampler(seed=999)
+    seq_crowded = [s2(logits, batch).token_ids[2] for _ in range(30)]
+    assert seq_alone == seq_crowded
+    assert len(set(seq_alone)) > 1  # it really samples
+    # Same seed again → same sequence; a different seed → a different one.
+    x2 = alone()
+    s3 = Sampler(seed=5)
+    assert [s3(target, x2).token_ids[0] for _ in range(30)] == seq_alone
+    other = [req("x", temperature=1.0, seed=43)]
+    assert [s3(target, other).token_ids[0] for _ in range(30)] != seq_alone
+
+
+def test_unseeded_sampling_follows_the_engine_seed():
+    logits = random_logits(3, seed=8)
+    reqs = [req(str(i), temperature=1.0) for i in range(3)]
+    s1, s2 = Sampler(11), Sampler(11)
+    assert [s1(logits, reqs).token_ids for _ in range(5)] == [s2(logits, reqs).token_ids for _ in range(5)]
+
+
+def test_temperature_one_matches_softmax():
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0]])
+    probs = logits.softmax(-1)[0]
+    sampler = Sampler(2024)
+    n = 6000
+    batch = [req(str(i), temperature=1.0) for i in range(n)]
+    tokens = sampler(logits.expand(n, -1), batch).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=logits.shape[1]).float()
+    expected = probs * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 30.0, (counts.tolist(), expected.tolist())  # 5 dof: p ≈ 1e-5 at 30
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([[1.0, 0.0, -1.0]])
+    n = 4000
+    sampler = Sampler(3)
+
+    def share_of_best(t):
+        toks = sampler(logits.expand(n, -1), [req(str(i), temperature=t) for i in range(n)]).token_ids
+        return toks.count(0) / n
+
+    cold, warm = share_of_best(0.3), share_of_best(3.0)
+    assert cold > 0.9
+    assert warm < 0.5
+    assert cold == pytest.approx((logits[0] / 0.3).softmax(-1)[0].item(), abs=0.03)
+
+
+def test_logprobs_chosen_and_sorted_top_n():
+    logits = random_logits(3, seed=9)
+    reqs = [req("a", temperature=0, logprobs=3), req("b", temperature=0), req("c", temperature=1.0, logprobs=0)]
+    out = Sampler()(logits, reqs)
+    assert out.logprobs[1] is None
+    lsm = logits.log_softmax(-1)
+    for row in (0, 2):
+        chosen, rank, top_ids, top_vals = out.logprobs[row]
+        tok = out.token_ids[row]
+        assert chosen == pytest.approx(float(lsm[row, tok]), abs=1e-5)
+        assert rank == int((lsm[row] > lsm[row, tok]).sum()) + 1
+    chosen, rank, top_ids, top_vals = out.logprobs[0]
+    assert rank == 1  # greedy picks the top token
+    assert len(top_ids) == 3
+    assert top_vals == sorted(top_vals, reverse=True)
+    assert top_ids == lsm[0].argsort(descending=True)[:3].tolist()
+    assert sum(math.exp(v) for v in lsm[0].tolist()) == pytest.approx(1.0, abs=1e-5)
+    assert out.logprobs[2][2] == [] and out.logprobs[2][3] == []
+
+
+def test_logprobs_are_of_the_raw_distribution_not_the_penalised_one():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    r = req(prompt=[2], outputs=[0], temperature=0, presence_penalty=1.0, logprobs=1)
+    out = Sampler()(logits, [r])
+    assert out.token_ids == [1]
+    assert out.logprobs[0][0] == pytest.approx(float(logits.log_softmax(-1)[0, 1]), abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_with_kernels_matches_the_general_path(dtype):
+    """With the C++ kernels, plain greedy rows take an argmax on the model's own logits; anything that
+    adjusts or reports (min_tokens, penalties, logprobs) still goes through the float32 path."""
+    kernels = CpuKernels.build()
+    assert kernels is not None
+    logits = random_logits(4, seed=5, vocab=300).to(dtype)
+    plain = [req(str(i), temperature=0) for i in range(4)]
+    fast = Sampler(kernels=kernels)(logits, plain)
+    assert fast.token_ids == Sampler()(logits, plain).token_ids == logits.float().argmax(-1).tolist()
+    # min_tokens bans EOS (token 0 here) even where it is the argmax, on the kernel-equipped sampler too
+    logits[1, 0] = 100.0
+    mixed = [req("a", temperature=0), req("b", temperature=0, min_tokens=2), req("c", temperature=0, logprobs=2),
+             req("d", temperature=0, repetition_penalty=1.5, outputs=(7,))]
+    out = Sampler(kernels=kernels)(logits, mixed)
+    assert out.token_ids == Sampler()(logits, mixed).token_ids
+    assert out.token_ids[1] != 0 and out.logprobs[2] is not None

@@ -1,0 +1,78 @@
+"""`pagedserve bench`: each mode runs end to end and writes its JSON (fields checked, never the speed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from live_server import start_server
+
+from pagedserve.entrypoints.cli.bench import random_prompts, run_serve
+from pagedserve.entrypoints.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_random_prompts_are_seeded_and_in_range():
+    a, b = random_prompts(4, 16, 0), random_prompts(4, 16, 0)
+    assert a == b and random_prompts(4, 16, 1) != a
+    assert all(len(p) == 16 and all(1000 <= t < 20000 for t in p) for p in a)
+
+
+def test_bench_throughput_json(tmp_path):
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
+               "--dtype", "float32", "--quiet", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["mode"] == "throughput" and r["num_prompts"] == 8 and r["input_len"] == 16 and r["output_len"] == 8
+    assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0 and r["elapsed_s"] > 0
+    # ignore_eos + max_tokens: exactly 8 tokens per request, so the rates agree with each other.
+    assert r["output_tokens_per_s"] == pytest.approx(8 * r["requests_per_s"], rel=1e-6)
+    assert r["total_tokens_per_s"] == pytest.approx(24 * r["requests_per_s"], rel=1e-6)
+    assert r["computed_prefill_tokens"] == 8 * 16 and r["machine"]["cores"] >= 1
+
+
+def test_bench_latency_json(tmp_path):
+    out = tmp_path / "lat.json"
+    rc = main(["bench", "latency", "--input-len", "8", "--output-len", "6", "--num-iters", "2",
+               "--dtype", "float32", "--quiet", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["mode"] == "latency" and r["num_iters"] == 2
+    assert 0 < r["ttft_s_mean"] < r["e2e_s_mean"] and r["tpot_s_mean"] > 0
+    assert r["decode_tokens_per_s"] == pytest.approx(1 / r["tpot_s_mean"])
+
+
+def test_bench_latency_compare_hf_in_another_dtype(tmp_path):
+    """bf16 pagedserve against HF float32 in one run: the targets are ratios to HF's float32 rate."""
+    out = tmp_path / "lat.json"
+    rc = main(["bench", "latency", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
+               "--dtype", "bfloat16", "--compare-hf", "--hf-dtype", "float32", "--quiet", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["dtype"] == "bfloat16" and r["hf"]["dtype"] == "float32"
+    assert r["decode_tokens_per_s_ratio_vs_hf"] == pytest.approx(
+        r["decode_tokens_per_s"] / r["hf"]["decode_tokens_per_s"])
+
+
+def test_bench_serve_against_a_live_server(tmp_path):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.engine import LLMEngine
+    from pagedserve.entrypoints.openai.api_server import build_app
+
+    srv, thread, url = start_server(build_app(LLMEngine(EngineConfig(dtype="float32")), log_interval_s=0))
+    try:
+        args = argparse.Namespace(base_url=url, served_model=None, api_key=None,
+                                  num_prompts=6, input_len=12, output_len=5, seed=0,
+                                  request_rate=float("inf"), max_concurrency=3)
+        r = run_serve(args)
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+    assert r["completed"] == 6 and r["failed"] == 0
+    assert r["model"] == "SmolLM2-135M-Instruct"
+    for key in ("ttft_s_p50", "ttft_s_p99", "tpot_s_mean", "itl_s_p90", "output_tokens_per_s"):
+        assert r[key] > 0, key
+    assert r["ttft_s_p50"] <= r["ttft_s_p99"]

@@ -1,0 +1,268 @@
+"""pagedserve's C++ CPU kernels (pagedserve/csrc) against plain PyTorch written as the reference model
+(HF transformers' Llama) computes: RMSNorm, residual add + RMSNorm, rotary + K/V cache write, SwiGLU and
+paged decode attention (rows named by index, strided queries, GQA groups wider than one task's 8 heads,
+head sizes that are not multiples of 64). The portable (AVX2) build is checked the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention import write_kv
+from pagedserve.attention.torch_ref import gather_context
+from pagedserve.kernels import load_extension
+from pagedserve.model.layers import apply_rotary
+from pagedserve.model.matmul import pack_weight, packed_linear
+
+DTYPES = [torch.float32, torch.bfloat16]
+IDS = ["fp32", "bf16"]
+# "native": built for this CPU (AVX-512 where it has it); "x86-64-v3": the portable AVX2 build.
+ARCHS = ["native", "x86-64-v3"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def kernels(request):
+    k = load_extension(request.param)
+    assert k is not None, "the C++ kernels must build wherever a compiler is (as in CI)"
+    if request.param == "x86-64-v3":
+        assert not k.has_avx512()
+    return k
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: one rounding step either way
+    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_rms_norm_and_fused_add(kernels, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 200, generator=g) * 3).to(dtype)
+    res = torch.randn(rows, 200, generator=g).to(dtype)
+    w = torch.rand(200, generator=g).to(dtype) + 0.5
+    assert close(kernels.rms_norm(x, w, 1e-5), ref_rms_norm(x, w, 1e-5), dtype)
+    # strided rows (a slice of a wider tensor) are read in place
+    wide = torch.randn(rows, 300, generator=g).to(dtype)
+    assert close(kernels.rms_norm(wide[:, :200], w, 1e-6), ref_rms_norm(wide[:, :200], w, 1e-6), dtype)
+    expect_res = x + res
+    expect_x = ref_rms_norm(expect_res, w, 1e-5)
+    kernels.fused_add_rms_norm(x, res, w, 1e-5)  # in place
+    assert torch.equal(res, expect_res)
+    assert close(x, expect_x, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rotary_write_kv(kernels, dtype):
+    T, H, KVH, D, BS, NB = 11, 6, 2, 32, 4, 20
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    pos = torch.randint(0, 500, (T,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = pos.float().unsqueeze(1) * inv
+    cos, sin = ang.cos(), ang.sin()
+    slots = torch.randperm(NB * BS, generator=g)[:T]
+    kc, vc = torch.zeros(NB, BS, KVH, D, dtype=dtype), torch.zeros(NB, BS, KVH, D, dtype=dtype)
+    rk, rv = kc.clone(), vc.clone()
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    eq = apply_rotary(q.reshape(T, H, D), cos, sin)
+    ek = apply_rotary(k.reshape(T, KVH, D), cos, sin)
+    write_kv(ek, v.reshape(T, KVH, D), rk, rv, slots)
+    kernels.rotary_write_kv(qkv, cos, sin, kc, vc, slots, H, KVH)
+    assert close(qkv[:, : H * D].reshape(T, H, D), eq, dtype)
+    assert close(kc, rk, dtype) and torch.equal(vc, rv)
+    assert kc.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.rotary_write_kv(qkv, cos, sin, kc, vc, slots + NB * BS, H, KVH)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_silu_and_mul(kernels, dtype):
+    g = torch.Generator().manual_seed(1)
+    gu = (torch.randn(9, 2 * 150, generator=g) * 6).to(dtype)
+    gu[0, 0] = -200.0  # far negative: silu underflows to -0, never NaN
+    out = kernels.silu_and_mul(gu)
+    ref = F.silu(gu[:, :150]) * gu[:, 150:]
+    assert out.shape == (9, 150) and close(out, ref, dtype)
+    assert torch.isfinite(out).all()
+
+
+def paged_setup(B, H, KVH, D, BS, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 5 * BS, (B,), generator=g)
+    width = int(-(-lens.max() // BS)) + 1
+    nb = B * width + 3
+    ids = torch.randperm(nb, generator=g)
+    tables = ids[: B * width].view(B, width).contiguous()
+    kc = torch.randn(nb, BS, KVH, D, generator=g).to(dtype)
+    vc = torch.randn(nb, BS, KVH, D, generator=g).to(dtype)
+    return lens, tables, kc, vc, g
+
+
+def ref_decode(q, kc, vc, tables, lens, scale):
+    out = []
+    group = q.shape[1] // kc.shape[2]
+    for b in range(len(lens)):
+        keys = gather_context(kc, tables[b], int(lens[b])).float().repeat_interleave(group, 1)
+        vals = gather_context(vc, tables[b], int(lens[b])).float().repeat_interleave(group, 1)
+        p = torch.einsum("hd,shd->hs", q[b].float(), keys).mul(scale).softmax(-1)
+        out.append(torch.einsum("hs,shd->hd", p, vals))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize(("H", "KVH", "D"), [(9, 3, 64), (12, 1, 80), (4, 4, 128), (6, 2, 24), (16, 2, 48)])
+def test_paged_decode_attention(kernels, dtype, H, KVH, D):
+    B, BS = 7, 8
+    lens, tables, kc, vc, g = paged_setup(B, H, KVH, D, BS, dtype, seed=H * D)
+    scale = D**-0.5
+    # Queries live inside a wider qkv-like buffer (strided rows) at scattered token rows of the batch.
+    T = B + 5
+    buf = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    q = buf[:, : H * D].view(T, H, D)
+    rows = torch.randperm(T, generator=g)[:B]
+    out = torch.full((T, H, D), 7.0, dtype=dtype)
+    kernels.paged_decode_attention(q, kc, vc, tables, lens, rows, out, scale)
+    expect = ref_decode(q[rows], kc, vc, tables, lens, scale)
+    assert close(out[rows], expect, dtype)
+    untouched = torch.ones(T, dtype=torch.bool)
+    untouched[rows] = False
+    assert (out[untouched] == 7.0).all()
+    # a batch of only decodes: row b is token b, no index needed
+    out2 = torch.empty(B, H, D, dtype=dtype)
+    kernels.paged_decode_attention(q[:B], kc, vc, tables, lens, torch.empty(0, dtype=torch.long), out2, scale)
+    assert close(out2, ref_decode(q[:B], kc, vc, tables, lens, scale), dtype)
+
+
+def test_paged_decode_attention_rejects_bad_tables(kernels):
+    lens, tables, kc, vc, _ = paged_setup(3, 4, 2, 32, 4, torch.float32, seed=0)
+    q = torch.randn(3, 4, 32)
+    out = torch.empty_like(q)
+    no_rows = torch.empty(0, dtype=torch.long)
+    bad = tables.clone()
+    bad[1, 0] = kc.shape[0] + 5
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.paged_decode_attention(q, kc, vc, bad, lens, no_rows, out, 0.1)
+    too_long = lens.clone()
+    too_long[0] = tables.shape[1] * 4 + 1
+    with pytest.raises(RuntimeError, match="seq_len"):
+        kernels.paged_decode_attention(q, kc, vc, tables, too_long, no_rows, out, 0.1)
+
+
+def test_packed_bf16_linear_equals_linear():
+    """Where oneDNN can pre-pack bf16 weights (native bf16 CPUs), the packed matmul gives F.linear's
+    numbers for any row count; elsewhere nothing is packed."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 96, generator=g).bfloat16()
+    b = torch.randn(300, generator=g).bfloat16()
+    packed = pack_weight(w, 16)
+    if packed is None:
+        from pagedserve.model.matmul import onednn_packing_available
+
+        assert not onednn_packing_available()
+        pytest.skip("this CPU has no native bf16: weights stay unpacked")
+    for rows in (1, 5, 16, 200):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        exact = F.linear(x.float(), w.float(), b.float())
+        got = packed_linear(x, packed, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+        assert torch.allclose(got.float(), exact, rtol=1e-2, atol=1e-2)
+    assert pack_weight(w.float(), 16) is None  # float32 stays on MKL
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("vocab", [1, 20, 33, 1000, 49153])
+def test_argmax_rows_is_torch_argmax(kernels, dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g).to(dtype)
+    if vocab > 40:  # ties: the first maximum wins, wherever the two copies sit
+        logits[1, 3] = logits[1, vocab - 2] = 99.0
+        logits[2, 17] = logits[2, 18] = 99.0
+        logits[3, vocab - 1] = 99.0
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(-1))
+    wide = torch.randn(6, vocab + 7, generator=g).to(dtype)  # strided rows
+    assert torch.equal(kernels.argmax_rows(wide[:, :vocab]), wide[:, :vocab].argmax(-1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [64, 576, 100])
+def test_bf16_gemv_equals_linear(kernels, rows, k):
+    if not kernels.has_bf16_gemv():
+        pytest.skip("built without AVX512-BF16")
+    g = torch.Generator().manual_seed(rows * k)
+    w = torch.randn(130, k, generator=g).bfloat16()
+    b = torch.randn(130, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    exact = F.linear(x.float(), w.float(), b.float())
+    for bias, ref in ((b, exact), (None, exact - b.float())):
+        got = kernels.gemv_bf16(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 130)
+        assert torch.allclose(got.float(), ref, rtol=1e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="rows"):
+        kernels.gemv_bf16(torch.randn(5, k).bfloat16(), w, None)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("n", [64, 70], ids=["regrouped", "row-layout"])
+def test_gguf_gemv_equals_linear_on_the_dequantized_weights(kernels, qtype, rows, dtype, n):
+    """The GEMVs over GGUF blocks (regrouped by 16 rows when N allows, else GGUF's row layout) compute
+    with exactly the weights gguf-py dequantizes (what transformers' GGUF loader uses): float32 results
+    agree up to rounding order."""
+    import gguf
+    import numpy as np
+
+    from pagedserve.model.matmul import GGUF_TYPE_IDS, GgufMatmul
+
+    if not kernels.has_gguf_gemv():
+        pytest.skip("built without AVX-512")
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    g = torch.Generator().manual_seed(rows * n)
+    dense = torch.randn(n, 96, generator=g).numpy().astype(np.float32)
+    raw = gguf.quants.quantize(dense, kind)  # [n, 96 / 32 * block bytes] uint8
+    weights = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(n, 96).astype(np.float32))
+    type_id = GGUF_TYPE_IDS[qtype]
+    matmul = GgufMatmul(kernels, type_id, torch.from_numpy(np.ascontiguousarray(raw)))
+    assert matmul.regrouped == (n % 16 == 0)
+    bias = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    exact = F.linear(x.float(), weights, bias.float())
+    for b, ref in ((bias, exact), (None, exact - bias.float())):
+        got = matmul(x, b)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        assert close(got, ref, dtype)
+    assert not torch.allclose(weights, torch.from_numpy(dense))  # really quantized: the blocks matter
+    with pytest.raises(RuntimeError, match="GGUF type"):
+        kernels.gemv_gguf(x, torch.from_numpy(np.ascontiguousarray(raw)), 12, None)
+
+
+def test_gguf_block_layouts_are_one_table(kernels):
+    """csrc/gguf_layouts.h and model/matmul.py describe the same blocks, and both agree with gguf-py."""
+    import gguf
+
+    from pagedserve.model.matmul import GGUF_BLOCK_LAYOUTS
+
+    cpp = {t: (name, bb, qo, qb, mo) for t, name, bb, qo, qb, mo in kernels.gguf_block_layouts()}
+    py = {t: (lay.name, lay.block_bytes, lay.quant_offset, lay.quant_bytes, lay.min_offset)
+          for t, lay in GGUF_BLOCK_LAYOUTS.items()}
+    assert cpp == py and len(py) == 3
+    for type_id, lay in GGUF_BLOCK_LAYOUTS.items():
+        kind = gguf.GGMLQuantizationType(type_id)
+        assert kind.name == lay.name
+        assert gguf.GGML_QUANT_SIZES[kind] == (32, lay.block_bytes)
+        assert lay.quant_offset + lay.quant_bytes == lay.block_bytes
+        assert lay.has_min == (lay.name == "Q4_1")
+
+
+def test_matmul_route_ids_agree_with_decode_stack(kernels):
+    from pagedserve.model.matmul import Route
+
+    assert dict(kernels.matmul_routes()) == {r.name.lower(): int(r) for r in Route if r != Route.PACKED}

@@ -1,0 +1,85 @@
+"""model/matmul.py decides every matmul's routes in one place, from what the kernels object offers and
+the config's switches; the routes compute what F.linear computes on the weights they stand for."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import CpuKernels
+from pagedserve.model.matmul import GGUF_TYPE_IDS, MatmulRoutes, Route, onednn_packing_available
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    k = CpuKernels.build()
+    assert k is not None, "the C++ kernels must build wherever a compiler is (as in CI)"
+    return k
+
+
+def q4_1_weight(n: int = 32, k: int = 64):
+    g = torch.Generator().manual_seed(n * k)
+    dense = torch.randn(n, k, generator=g).numpy().astype(np.float32)
+    kind = gguf.GGMLQuantizationType.Q4_1
+    raw = gguf.quants.quantize(dense, kind)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(n, k).astype(np.float32))
+    return weight, (GGUF_TYPE_IDS["Q4_1"], torch.from_numpy(np.ascontiguousarray(raw)))
+
+
+def test_without_kernels_everything_is_linear():
+    weight, qweight = q4_1_weight()
+    routes = MatmulRoutes()
+    routes.setup(weight, None, pack=False, batch_hint=8, qweight=qweight)
+    assert (routes.few_rows, routes.many_rows) == (Route.LINEAR, Route.LINEAR)
+    x = torch.randn(3, 64)
+    assert torch.equal(routes(x, weight, None), F.linear(x, weight))
+
+
+def test_gguf_route_follows_the_kernels_capabilities(kernels):
+    weight, qweight = q4_1_weight()
+    on = kernels.replace(gguf_gemv=True, gguf_block_types=frozenset({GGUF_TYPE_IDS["Q4_1"]}))
+    off = kernels.replace(gguf_gemv=False, gguf_block_types=frozenset())
+    routes = MatmulRoutes()
+    routes.setup(weight, on, pack=False, batch_hint=8, qweight=qweight)
+    assert routes.few_rows == Route.GGUF_R16 and routes.many_rows == Route.LINEAR  # 32 rows: regrouped
+    routes.setup(weight, off, pack=False, batch_hint=8, qweight=qweight)
+    assert routes.few_rows == Route.LINEAR and routes.qgemv is None
+    routes.setup(weight, on, pack=False, batch_hint=8, qweight=None)  # no blocks kept for this weight
+    assert routes.few_rows == Route.LINEAR
+    if kernels.gguf_gemv:  # AVX-512 builds: the route really runs, on exactly the dequantized weights
+        routes.setup(weight, kernels, pack=False, batch_hint=8, qweight=qweight)
+        x = torch.randn(2, 64)
+        assert torch.allclose(routes(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+
+
+def test_packing_and_gemv_routes(kernels):
+    weight = torch.randn(48, 64).bfloat16()
+    routes = MatmulRoutes()
+    routes.setup(weight, kernels, pack=True, batch_hint=8)
+    if not onednn_packing_available():
+        assert (routes.few_rows, routes.many_rows) == (Route.LINEAR, Route.LINEAR)
+        return
+    assert routes.many_rows == Route.PACKED
+    assert routes.few_rows == (Route.BF16_GEMV if kernels.bf16_gemv else Route.PACKED)
+    routes.setup(weight, kernels.replace(bf16_gemv=False), pack=True, batch_hint=8)
+    assert routes.few_rows == Route.PACKED
+    routes.setup(weight, kernels, pack=False, batch_hint=8)  # pack_weights=False: no GEMV either
+    assert (routes.few_rows, routes.many_rows) == (Route.LINEAR, Route.LINEAR)
+    for rows in (1, 4, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        routes.setup(weight, kernels, pack=True, batch_hint=8)
+        exact = F.linear(x.float(), weight.float())
+        assert torch.allclose(routes(x, weight, None).float(), exact, atol=2e-2, rtol=1e-2)
+
+
+def test_engine_config_switches_reach_the_kernels_object():
+    from pagedserve.config import EngineConfig
+
+    k = CpuKernels.from_config(EngineConfig(decode_stack=False, bf16_gemv=False, gguf_gemv=False))
+    assert k is not None and not k.decode_stack and not k.bf16_gemv and not k.gguf_gemv
+    assert not k.gguf_block_types
+    assert CpuKernels.from_config(EngineConfig(use_cpp_kernels=False)) is None
+    assert CpuKernels.from_config(EngineConfig(attention_backend="torch_ref")) is None
