@@ -29,11 +29,13 @@ def canonical_dtype(name: str) -> str:
     return name
 
 
-def _knob(default, help: str, *, cli: bool = True, choices: tuple | None = None, env: bool = False) -> Field:
-    meta = {"help": help, "cli": cli, "choices": choices}
-    if env:  # the default comes from envs.ENV (read once at import)
-        return field(default_factory=lambda: default(ENV), metadata=meta)
-    return field(default=default, metadata=meta)
+def _knob(default, help: str, *, cli: bool = True, choices: tuple | None = None) -> Field:
+    return field(default=default, metadata={"help": help, "cli": cli, "choices": choices})
+
+
+def _env_knob(name: str, help: str, *, cli: bool = True) -> Field:
+    """A field whose default is envs.ENV.<name> (the environment, read once at import)."""
+    return field(default_factory=lambda: getattr(ENV, name), metadata={"help": help, "cli": cli, "choices": None})
 
 
 @dataclass
@@ -61,21 +63,21 @@ class EngineConfig:
                                    "+ SDPA) or torch_ref (the pure-PyTorch reference, no C++ anywhere)",
                                    choices=ATTENTION_BACKENDS)
     num_threads: int | None = _knob(None, "torch threads (default: the cores this process may use)")
-    use_cpp_kernels: bool = _knob(lambda e: e.use_cpp_kernels, "pagedserve's C++ CPU kernels (fused ops, "
-                                  "decode attention, GEMVs); off: pure PyTorch", env=True)
-    cpu_arch: str = _knob(lambda e: e.cpu_arch, "-march of the C++ kernels' build, e.g. x86-64-v3 for the "
-                          "portable AVX2 build", env=True)
-    pack_weights: bool = _knob(lambda e: e.pack_weights, "pre-pack bf16 matmul weights for oneDNN (CPUs "
-                               "with native bf16)", env=True)
-    bf16_gemv: bool = _knob(lambda e: e.bf16_gemv, "decode-sized bf16 matmuls through the C++ GEMV "
-                            "(AVX512-BF16 builds)", env=True)
-    gguf_gemv: bool = _knob(lambda e: e.gguf_gemv, "decode-sized matmuls read GGUF Q4_0/Q4_1/Q8_0 blocks "
-                            "directly (AVX-512 builds)", env=True)
-    decode_stack: bool = _knob(lambda e: e.decode_stack, "decode steps of up to 4 sequences run every layer "
-                               "in one C++ call", env=True)
-    keep_dequantized_weights: bool = _knob(lambda e: e.keep_dequantized_weights, "keep the last GGUF's "
-                                           "dequantized weights in memory (many engines in one process)",
-                                           cli=False, env=True)
+    use_cpp_kernels: bool = _env_knob(
+        "use_cpp_kernels", "pagedserve's C++ CPU kernels (fused ops, decode attention, GEMVs); off: pure PyTorch")
+    cpu_arch: str = _env_knob(
+        "cpu_arch", "-march of the C++ kernels' build, e.g. x86-64-v3 for the portable AVX2 build")
+    pack_weights: bool = _env_knob(
+        "pack_weights", "pre-pack bf16 matmul weights for oneDNN (CPUs with native bf16)")
+    bf16_gemv: bool = _env_knob(
+        "bf16_gemv", "decode-sized bf16 matmuls through the C++ GEMV (AVX512-BF16 builds)")
+    gguf_gemv: bool = _env_knob(
+        "gguf_gemv", "decode-sized matmuls read GGUF Q4_0/Q4_1/Q8_0 blocks directly (AVX-512 builds)")
+    decode_stack: bool = _env_knob(
+        "decode_stack", "decode steps of up to 4 sequences run every layer in one C++ call")
+    keep_dequantized_weights: bool = _env_knob(
+        "keep_dequantized_weights", "keep the last GGUF's dequantized weights in memory (many engines in one "
+        "process)", cli=False)
     # ---- tracing ----
     keep_block_tables: bool = _knob(False, "record every step's block tables (trace / explain / dashboard)",
                                     cli=False)
