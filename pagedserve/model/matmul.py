@@ -172,7 +172,8 @@ class MatmulRoutes:
         self.many_rows = Route.PACKED if self.packed is not None else Route.LINEAR
         usable = qweight is not None and kernels is not None and qweight[0] in kernels.gguf_block_types
         self.qgemv = GgufMatmul(kernels.ext, *qweight) if usable else None
-        self.gemv = kernels.ext.gemv_bf16 if self.packed is not None and kernels and kernels.bf16_gemv else None
+        bf16_cpu = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        self.gemv = kernels.ext.gemv_bf16 if bf16_cpu and kernels is not None and kernels.bf16_gemv else None
         if self.qgemv is not None:
             self.few_rows = self.qgemv.route
         elif self.gemv is not None:

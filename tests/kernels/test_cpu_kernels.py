@@ -1,4 +1,4 @@
-"""pagedserve's C++ CPU kernels (pagedserve/csrc) against plain PyTorch written as the reference model
+"""pagedserve's C++ CPU kernels (pagedserve/kernels/csrc) against plain PyTorch written as the reference model
 (HF transformers' Llama) computes: RMSNorm, residual add + RMSNorm, rotary + K/V cache write, SwiGLU and
 paged decode attention (rows named by index, strided queries, GQA groups wider than one task's 8 heads,
 head sizes that are not multiples of 64). The portable (AVX2) build is checked the same way."""

@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
         if not meta.get("cli", False):
             continue
         default = EngineConfig.default_of(f)
-        help_text = f"{meta['help']} (default: {default})"
+        help_text = meta["help"] + (f" (default: {default})" if default is not None else "")
         if f.name == "model" and positional_model:
             p.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=meta["help"])
             continue

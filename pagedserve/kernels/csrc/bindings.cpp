@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_gguf_gemv", &pagedserve::has_gguf_gemv, "whether gemv_gguf is built (AVX-512)");
   m.def("gemv_gguf", &pagedserve::gemv_gguf, "x @ w.T (+ bias) for 1-4 rows, w read from GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("gemv_gguf_r16", &pagedserve::gemv_gguf_r16,
-        "x @ w.T (+ bias) for 1-4 rows, w in GGUF blocks regrouped by 16 rows (layers.repack_gguf)");
+        "x @ w.T (+ bias) for 1-4 rows, w in GGUF blocks regrouped by 16 rows (model/matmul.py: repack_gguf)");
   m.def("gguf_block_layouts", []() {
     // (type id, name, block bytes, quant offset, quant bytes, min offset): the C++ side of the table in
     // pagedserve/model/matmul.py.

@@ -1,7 +1,7 @@
 /* pagedserve trace charts: plain JS + SVG, no dependencies, no network.
  *
  * PagedTrace.render(data, root) draws the whole report from the trace JSON (the shape
- * pagedserve.trace_report.engine_trace_data returns). It can be called again with fresh data (the live
+ * pagedserve.engine.trace.engine_trace_data returns). It can be called again with fresh data (the live
  * dashboard does, every second): the root is redrawn and the selected step is kept, or follows the
  * newest step when the newest was selected. On the first render data.selected_step (if any) is shown.
  */
