@@ -82,6 +82,8 @@ class EngineConfig:
     keep_block_tables: bool = _knob(False, "record every step's block tables (trace / explain / dashboard)",
                                     cli=False)
     max_step_records: int = _knob(10_000, "step records kept (oldest dropped first)", cli=False)
+    max_block_table_records: int | None = _knob(None, "with keep_block_tables, only the newest this many step "
+                                                "records keep their block tables (None: all)", cli=False)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -91,7 +93,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if not isinstance(self.max_step_records, int) or self.max_step_records < 0:
             raise ValueError(f"max_step_records: must be an integer >= 0, got {self.max_step_records!r}")
-        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+        for name in ("max_model_len", "num_kv_blocks", "num_threads", "max_block_table_records"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

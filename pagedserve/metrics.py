@@ -12,7 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
@@ -77,6 +77,7 @@ class EngineMetrics:
         self.engine = engine
         self.registry = registry or CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (soak runs read RSS)
         labels = ["model_name"]
         self.model_name = engine.served_model_name
 

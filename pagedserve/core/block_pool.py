@@ -102,6 +102,10 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached[block_hash] = block
 
+    def uncache(self, block: Block) -> None:
+        """Take a block out of the prefix cache (its K/V may not be what its hash says)."""
+        self._reset(block)
+
     def _evict(self, block: Block) -> None:
         self.num_evicted += 1
         self._reset(block)

@@ -111,10 +111,16 @@ class KVCacheManager:
                 self.pool.cache_block(blocks[i], hashes[i], tuple(request.all_token_ids[i * bs : (i + 1) * bs]))
         self.req_num_offered[request.request_id] = max(start, upto // bs)
 
-    def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, so its earliest (most shareable) blocks live longest."""
+    def free(self, request: Request, keep_cached: bool = True) -> None:
+        """Release a request's blocks, tail first, so its earliest (most shareable) blocks live longest.
+        keep_cached=False: blocks only this request holds leave the prefix cache (a failed step may have
+        left their K/V unwritten)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_num_offered.pop(request.request_id, None)
+        if not keep_cached:
+            for b in blocks:
+                if b.ref_count == 1:
+                    self.pool.uncache(b)
         self.pool.release(list(reversed(blocks)))
 
     def forget(self, request: Request) -> None:

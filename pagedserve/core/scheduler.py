@@ -172,8 +172,9 @@ class Scheduler:
             if token is not None:
                 req.append_output_token(token)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Finish (or abort) a request in any state and free its blocks at once."""
+    def finish(self, req: Request, status: RequestStatus, keep_cached: bool = True) -> None:
+        """Finish (or abort) a request in any state and free its blocks at once (keep_cached: see
+        KVCacheManager.free)."""
         if req.is_finished:
             return
         if req.status == RequestStatus.RUNNING:
@@ -181,6 +182,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        self.kv.free(req, keep_cached)
         self.kv.forget(req)
         self.requests.pop(req.request_id, None)

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.engine.engine import LLMEngine, Prompt
 from pagedserve.metrics import EngineMetrics
@@ -31,16 +31,62 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class RequestTimeoutError(RuntimeError):
+    """The request waited and ran longer than the server's request_timeout_s (HTTP 408)."""
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+
+class QueueFullError(RuntimeError):
+    """More sequences are waiting than the server admits (`max_queue_len`): try again later (HTTP 429)."""
+
+
+DEFAULT_MAX_QUEUE_LEN = 1024  # waiting sequences (a request with n samples counts n)
+DEFAULT_STALL_TIMEOUT_S = 60.0  # no step for this long while work is pending: /health answers 503
+
+
+class OutputCollector:
+    """Where the engine thread delivers the outputs of one or more requests, for one asyncio consumer.
+
+    Outputs are cumulative (each holds all the text and tokens so far), so a newer output of a request
+    replaces the pending one: however slowly the consumer reads, it holds at most one pending output per
+    request (as vLLM's RequestOutputCollector). An error is never replaced.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._pending: dict[str, RequestOutput | BaseException] = {}
+        self._ready = asyncio.Event()
+
+    def put_threadsafe(self, request_id: str, item: RequestOutput | BaseException) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._put, request_id, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
             pass
+
+    def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self._pending.get(request_id), BaseException):
+            self._pending[request_id] = item
+        self._ready.set()
+
+    async def get(self) -> dict[str, RequestOutput | BaseException]:
+        """Wait for and take everything pending: request id -> its latest output (or its error)."""
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._pending = self._pending, {}
+        return items
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+
+@dataclass
+class _Stream:
+    collector: OutputCollector
+    request_id: str
+    arrival: float = field(default_factory=time.monotonic)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.collector.put_threadsafe(self.request_id, item)
 
 
 @dataclass
@@ -75,7 +121,21 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, log_interval_s: float = 10.0, metrics: EngineMetrics | None = None):
+    def __init__(self, engine: LLMEngine, log_interval_s: float = 10.0, metrics: EngineMetrics | None = None,
+                 max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, request_timeout_s: float | None = None):
+        """max_queue_len: sequences allowed to wait for the batch; a request beyond gets QueueFullError
+        (None: no limit)."""
+        if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 1):
+            raise ValueError(f"max_queue_len: must be a positive integer, got {max_queue_len!r}")
+        self.max_queue_len = max_queue_len
+        self.stall_timeout_s = stall_timeout_s
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s: must be > 0, got {request_timeout_s!r}")
+        self.request_timeout_s = request_timeout_s  # None: requests may take as long as they need
+        self._next_expiry_check = 0.0
+        self._draining = False
+        self._last_progress = time.monotonic()  # the loop's last pass (a step, or an idle wake-up)
         self.engine = engine
         self.metrics = metrics if metrics is not None else EngineMetrics(engine)
         self.log_interval_s = log_interval_s
@@ -100,8 +160,24 @@ class AsyncLLMEngine:
         self._stop.set()
         self._wake.set()
 
+    def begin_drain(self) -> None:
+        """Stop taking new requests (they get EngineDeadError: 503); those in flight go on."""
+        self._draining = True
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added (or being added) whose consumer has not had their final output."""
+        return len(self._streams) + sum(isinstance(c, _Add) for c in list(self._commands))
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Block (not on the event loop) until nothing is in flight or `timeout` passed; True if drained."""
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.num_in_flight
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort everything in flight (consumers get a finished 'abort' output) and stop the thread."""
+        """Abort everything in flight (consumers get EngineDeadError, never a cut-off text) and stop."""
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -111,16 +187,29 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def unhealthy_reason(self) -> str | None:
+        """None while the loop is alive and moving; else why /health should say 503."""
+        if not self.is_running:
+            return "engine loop is not running"
+        if self._draining:
+            return "the server is shutting down"
+        stalled = time.monotonic() - self._last_progress
+        if (self._streams or self._commands) and stalled > self.stall_timeout_s:
+            return f"engine loop has made no progress for {stalled:.0f} s with requests pending"
+        return None
+
     # ---- the asyncio side ------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, queue: asyncio.Queue,
+        self, request_id: str, prompt: Prompt, params: SamplingParams, collector: OutputCollector,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; its outputs go to `queue`. Raises the engine's ValueError for bad input."""
+        """Queue a request; its outputs go to `collector`. Raises the engine's ValueError for bad input."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
+        if self._draining:
+            raise EngineDeadError("the server is shutting down")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        stream = _Stream(asyncio.get_running_loop(), queue)
+        stream = _Stream(collector, request_id)
         self._commands.append(_Add(request_id, prompt, params, arrival_time or time.time(), stream, fut))
         self._wake.set()
         await asyncio.wrap_future(fut)
@@ -143,14 +232,12 @@ class AsyncLLMEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished. Closing or cancelling the generator aborts."""
-        queue: asyncio.Queue = asyncio.Queue()
+        collector = OutputCollector()
         finished = False
         try:
-            await self.add_request(request_id, prompt, params, queue, arrival_time)
+            await self.add_request(request_id, prompt, params, collector, arrival_time)
             while True:
-                out = await queue.get()
-                while not queue.empty():  # outputs are cumulative: a slow consumer may skip to the latest
-                    out = queue.get_nowait()
+                out = (await collector.get())[request_id]  # outputs are cumulative: the latest is all
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
@@ -165,6 +252,7 @@ class AsyncLLMEngine:
     def _run_loop(self) -> None:
         logger.info("engine loop started")
         while not self._stop.is_set():
+            self._last_progress = time.monotonic()
             try:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
@@ -173,6 +261,7 @@ class AsyncLLMEngine:
                     continue
                 outputs = self.engine.step()
                 self._dispatch(outputs)
+                self._expire()
                 self._maybe_log()
             except Exception as e:  # never let one failure kill the loop; fail what is in flight
                 logger.exception("engine loop error; aborting in-flight requests")
@@ -195,6 +284,10 @@ class AsyncLLMEngine:
                     cmd.future.set_result(cmd.fn(self.engine))
                 except Exception as e:
                     cmd.future.set_exception(e)
+                continue
+            if self.max_queue_len is not None and self.engine.stats().num_waiting + cmd.params.n > self.max_queue_len:
+                cmd.future.set_exception(QueueFullError(
+                    f"the server's queue is full ({self.max_queue_len} sequences waiting); retry later"))
                 continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
@@ -232,13 +325,26 @@ class AsyncLLMEngine:
             cmd = self._commands.popleft()
             if isinstance(cmd, _Add | _Call) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineDeadError("the server is shutting down"))
+        # The error goes first: a consumer must not take the aborted (cut-off) output for an answer.
+        for stream in self._streams.values():
+            stream.put(EngineDeadError("the server shut down before this request finished"))
+        self._streams.clear()
         try:
-            self._dispatch(self.engine.abort_all())
+            self._dispatch(self.engine.abort_all())  # metrics and block accounting; nobody left to deliver to
         except Exception:
             logger.exception("abort at shutdown failed")
-        for stream in self._streams.values():
-            stream.put(EngineDeadError("the server is shutting down"))
-        self._streams.clear()
+
+    def _expire(self) -> None:
+        """Fail (and abort) requests older than request_timeout_s; checked a few times a second."""
+        now = time.monotonic()
+        if self.request_timeout_s is None or now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + 0.2
+        expired = [rid for rid, st in self._streams.items() if now - st.arrival > self.request_timeout_s]
+        for rid in expired:
+            self._streams.pop(rid).put(RequestTimeoutError(f"request timed out after {self.request_timeout_s:g} s"))
+            self.metrics.forget(rid)
+            self._dispatch(self.engine.abort_request(rid))
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

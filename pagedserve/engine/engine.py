@@ -8,10 +8,12 @@ through `stats()`, `get_request()`, `live_requests()` and `step_records`, and ch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +28,7 @@ from pagedserve.engine.trace import StepRecord
 from pagedserve.model.loader import load_model, resolve_dtype
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling.metadata import RequestGenerators, SamplingMetadata
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, check_text
 from pagedserve.tokenizer import Tokenizer
 from pagedserve.worker.kv_cache import allocate_kv_cache
 from pagedserve.worker.model_runner import ModelRunner
@@ -110,7 +112,8 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                return prompt.get("prompt"), self._check_ids(ids)
+                text = prompt.get("prompt")
+                return (None if text is None else check_text("prompt", text)), self._check_ids(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -118,12 +121,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(check_text("prompt", prompt))
         if isinstance(prompt, list | tuple):
             return None, self._check_ids(list(prompt))
         raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def _check_ids(self, ids) -> list[int]:
+        """Prompt token ids: each needs a row of the model's embedding."""
         if not isinstance(ids, list | tuple) or not ids:
             raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
         vocab = self.model_config.vocab_size
@@ -132,13 +136,28 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {vocab})")
         return list(ids)
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids within the vocabulary (the larger of the
+        model's and the tokenizer's: ids the model can never produce simply never match), top_k."""
+        vocab = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is not a token id in [0, {vocab})")
+        if params.top_k > self.model_config.vocab_size:
+            raise ValueError(f"top_k: {params.top_k} exceeds the vocabulary ({self.model_config.vocab_size}); "
+                             "use 0 or -1 for no top-k")
+
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
+        """Validate, then add all n samples or none (a ValueError naming the field leaves no trace)."""
         params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
         if request_id in self.parents:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_params(params)
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1:
@@ -147,13 +166,17 @@ class LLMEngine:
             )
         self.scheduler.check_fits(len(ids), max_tokens)
         now = arrival_time or time.time()
-        parent = ParentState(request_id, text, ids, [], RequestMetrics(arrival_time=now))
+        requests = []
         for i in range(params.n):
             sp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, sp, self.eos_token_ids, max_tokens, now, request_id, i)
-            parent.samples.append(self.output_processor.new_sample(req))
-            self.sample_to_parent[rid] = parent
+            requests.append(Request(rid, ids, sp, self.eos_token_ids, max_tokens, now, request_id, i))
+        parent = ParentState(request_id, text, ids, [self.output_processor.new_sample(r) for r in requests],
+                             RequestMetrics(arrival_time=now))
+        # Nothing above touched the engine's state; from here on nothing can fail.
+        for req in requests:
+            self.sample_to_parent[req.request_id] = parent
+            self.generators.add(req.request_id, req.sampling_params.seed)
             self.scheduler.add_request(req)
         self.parents[request_id] = parent
         self.num_prompt_tokens += len(ids)
@@ -175,11 +198,11 @@ class LLMEngine:
         """Abort every unfinished request (Ctrl-C in a CLI, shutdown of a server)."""
         return self.abort_request(list(self.parents))
 
-    def _abort_samples(self, parent: ParentState, finished: dict) -> None:
+    def _abort_samples(self, parent: ParentState, finished: dict, keep_cached: bool = True) -> None:
         """Finish every unfinished sample of `parent` as aborted (its blocks are freed at once)."""
         for sample in parent.samples:
             if not sample.request.is_finished:
-                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED, keep_cached)
                 self._count_finish(sample.request, finished)
 
     def has_unfinished_requests(self) -> bool:
@@ -258,28 +281,56 @@ class LLMEngine:
                 parent.metrics.first_scheduled_time = start
             if s.is_prefill:
                 self.num_computed_prefill_tokens += len(s.token_ids)
+        seeded = self.generators.states(s.request_id for s in sched.scheduled if s.sample)
         try:
-            rows = self.runner.sample_rows(sched)
-            sampling = [self.scheduler.requests[sched.scheduled[r].request_id] for r in rows]
-            meta = SamplingMetadata.from_requests(sampling, self.generators.for_requests(sampling)) if rows else None
-            result = self.runner.execute(sched, meta)
-        except Exception as e:  # a broken batch fails its requests, never the engine loop
-            logger.exception("model step failed; aborting the %d requests in it", len(sched.scheduled))
-            for s in sched.scheduled:
-                parent = self.sample_to_parent[s.request_id]
-                parent.error = f"engine error: {e}"
-                self._abort_samples(parent, finished)
-                touched[parent.request_id] = parent
-            return
-        sampled = {req.request_id: tok for req, tok in zip(sampling, result.token_ids, strict=True)} if sampling else {}
-        self.scheduler.update(sched, sampled)
+            sampled = self._execute(sched)
+        except Exception:  # a broken batch: find the request(s) responsible and fail only those
+            logger.exception("model step of %d requests failed; running each alone to find the failing ones",
+                             len(sched.scheduled))
+            self.generators.restore(seeded)  # seeded requests draw as if the failed attempt never was
+            sampled = self._execute_one_by_one(sched, touched, finished)
+            # Aborted requests (and their n > 1 siblings) leave this step.
+            sched = dataclasses.replace(
+                sched, scheduled=[s for s in sched.scheduled if s.request_id in self.scheduler.requests])
+            sampled = {rid: v for rid, v in sampled.items() if rid in self.scheduler.requests}
+        self.scheduler.update(sched, {rid: tok for rid, (tok, _) in sampled.items()})
         now = time.time()
-        for i, req in enumerate(sampling):
-            parent = self.sample_to_parent[req.request_id]
+        for rid, (token, logprob) in sampled.items():
+            req = self.scheduler.requests[rid]
+            parent = self.sample_to_parent[rid]
             touched[parent.request_id] = parent
-            self._on_token(parent, req, result.token_ids[i], result.logprobs[i], now)
+            self._on_token(parent, req, token, logprob, now)
             if req.is_finished:
                 self._count_finish(req, finished)
+
+    def _execute(self, sched: SchedulerOutput) -> dict[str, tuple[int, Any]]:
+        """Run the model and the sampler on a step: request id -> (token, logprobs) of each sampling row."""
+        rows = self.runner.sample_rows(sched)
+        sampling = [self.scheduler.requests[sched.scheduled[r].request_id] for r in rows]
+        meta = SamplingMetadata.from_requests(sampling, self.generators.for_requests(sampling),
+                                              self.model_config.vocab_size) if rows else None
+        result = self.runner.execute(sched, meta)
+        if result is None:
+            return {}
+        return {r.request_id: (t, lp) for r, t, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)}
+
+    def _execute_one_by_one(self, sched: SchedulerOutput, touched: dict, finished: dict) -> dict:
+        """After a failed step: each scheduled request alone (re-writing a K/V slot writes the same values,
+        and nothing has advanced yet). Those that fail again are aborted with the error; their blocks
+        leave the prefix cache, since their K/V may be incomplete."""
+        sampled: dict[str, tuple[int, Any]] = {}
+        for s in sched.scheduled:
+            if s.request_id not in self.scheduler.requests:
+                continue  # a sibling sample failed already
+            try:
+                sampled.update(self._execute(SchedulerOutput(scheduled=[s])))
+            except Exception as e:
+                logger.warning("request %s failed on its own: %s", s.request_id, e)
+                parent = self.sample_to_parent[s.request_id]
+                parent.error = f"engine error: {e}"
+                self._abort_samples(parent, finished, keep_cached=False)
+                touched[parent.request_id] = parent
+        return sampled
 
     def _on_token(self, parent: ParentState, req: Request, token: int, logprob, now: float) -> None:
         self.num_generation_tokens += 1
@@ -335,4 +386,7 @@ class LLMEngine:
             block_tables={s.request_id: s.block_table for s in sched.scheduled} if keep else None,
         )
         self.step_records.append(rec)
+        limit = self.config.max_block_table_records
+        if keep and limit is not None and len(self.step_records) > limit:
+            self.step_records[-limit - 1].block_tables = None  # bounded: only the newest keep their tables
         self.step_count += 1

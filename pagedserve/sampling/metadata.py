@@ -44,8 +44,9 @@ class SamplingMetadata:
     num_logprobs: list[int | None] = field(default_factory=list)  # per row: top-N asked for, or None
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request],
-                      generators: Sequence[torch.Generator | None] | None = None) -> SamplingMetadata:
+    def from_requests(cls, requests: Sequence[Request], generators: Sequence[torch.Generator | None] | None = None,
+                      vocab_size: int | None = None) -> SamplingMetadata:
+        """vocab_size: the logits' width; banned ids beyond it (the tokenizer may know more) are dropped."""
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         penalties = [
@@ -57,6 +58,8 @@ class SamplingMetadata:
         for i, (r, p) in enumerate(zip(requests, params, strict=True)):
             if r.num_output_tokens < p.min_tokens:  # before min_tokens, EOS and stop ids cannot be drawn
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else r.eos_token_ids)
+                if vocab_size is not None:
+                    ids = {t for t in ids if t < vocab_size}
                 if ids:
                     banned.append((i, sorted(ids)))
         num_logprobs = [p.logprobs for p in params]
@@ -85,24 +88,27 @@ def has_penalty(p) -> bool:
 
 
 class RequestGenerators:
-    """The random generator of each seeded request, made at its first draw and kept until it finishes
+    """The random generator of each seeded request, made when it is added and kept until it finishes
     (preemption keeps it: a recomputed request draws on from where it was)."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, torch.Generator] = {}
 
+    def add(self, request_id: str, seed: int | None) -> None:
+        if seed is not None:
+            self._by_id[request_id] = torch.Generator().manual_seed(seed)
+
     def for_requests(self, requests: Sequence[Request]) -> list[torch.Generator | None]:
-        out: list[torch.Generator | None] = []
-        for r in requests:
-            seed = r.sampling_params.seed
-            if seed is None:
-                out.append(None)
-                continue
-            g = self._by_id.get(r.request_id)
-            if g is None:
-                g = self._by_id[r.request_id] = torch.Generator().manual_seed(seed)
-            out.append(g)
-        return out
+        return [self._by_id.get(r.request_id) for r in requests]
+
+    def states(self, request_ids) -> dict[str, torch.Tensor]:
+        """The current state of these requests' generators (those that have one), to roll a failed step back."""
+        return {rid: g.get_state() for rid in request_ids if (g := self._by_id.get(rid)) is not None}
+
+    def restore(self, states: dict[str, torch.Tensor]) -> None:
+        for rid, state in states.items():
+            if (g := self._by_id.get(rid)) is not None:
+                g.set_state(state)
 
     def drop(self, request_id: str) -> None:
         self._by_id.pop(request_id, None)

@@ -32,7 +32,8 @@ class Sampler:
         """logits: [meta.num_rows, vocab] in the model's dtype (bf16 logits are upcast only if needed)."""
         if self.kernels is not None and logits.device.type == "cpu" and meta.all_plain_greedy:
             # Greedy with nothing to adjust or report: argmax straight on the model's logits.
-            return SamplerOutput(self.kernels.argmax_rows(logits).tolist(), [None] * meta.num_rows)
+            return SamplerOutput(_in_vocab(self.kernels.argmax_rows(logits).tolist(), logits.shape[1]),
+                                 [None] * meta.num_rows)
         logits = logits.float()
         raw = logits
         logits = self._apply_min_tokens(logits, meta.banned)
@@ -43,7 +44,7 @@ class Sampler:
             probs = self._filter(logits / meta.temperature, meta).softmax(dim=-1)
             drawn = self._draw(probs, meta.generators)
             tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
-        token_list = tokens.tolist()
+        token_list = _in_vocab(tokens.tolist(), logits.shape[1])
         return SamplerOutput(token_list, self._logprobs(raw, token_list, meta.num_logprobs))
 
     @staticmethod
@@ -122,3 +123,12 @@ class Sampler:
             n = num_logprobs[i]
             result[i] = (float(chosen), rank, top_ids[j, :n].tolist(), top_vals[j, :n].tolist())
         return result
+
+
+def _in_vocab(tokens: list[int], vocab: int) -> list[int]:
+    """The sampled ids, or an error naming the row: an id outside the vocabulary (from non-finite logits)
+    must never reach a request (the engine then fails only the request(s) responsible)."""
+    for row, t in enumerate(tokens):
+        if not 0 <= t < vocab:
+            raise ValueError(f"sampler: row {row} gave token id {t}, outside [0, {vocab}) (non-finite logits?)")
+    return tokens

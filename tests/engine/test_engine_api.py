@@ -50,7 +50,7 @@ def test_abort_all_frees_everything(llm_fp32):
         engine.add_request(f"all-{i}", {"prompt_token_ids": [7 + i] * 20},
                            SamplingParams(max_tokens=50, n=2, seed=i, temperature=0.9))
     engine.step()
-    assert len(engine.generators) == 6  # one per seeded sample, made at its first draw
+    assert len(engine.generators) == 6  # one per seeded sample
     outs = engine.abort_all()
     assert len(engine.generators) == 0  # dropped with their requests
     assert sorted(o.request_id for o in outs) == ["all-0", "all-1", "all-2"]
@@ -61,3 +61,16 @@ def test_abort_all_frees_everything(llm_fp32):
     engine.step()  # the aborts are reported in the next step record
     assert s.finished_by_reason["abort"] - aborted0 == 6
     assert engine.abort_all() == []
+
+
+def test_block_tables_are_kept_for_the_newest_steps_only():
+    """A server keeps block tables only for the dashboard's window: memory stays bounded."""
+    from pagedserve import LLM
+
+    llm = LLM(dtype="float32", keep_block_tables=True, max_block_table_records=3, max_step_records=6)
+    llm.generate(["Keep counting: one two"], SamplingParams(temperature=0, max_tokens=9), use_tqdm=False)
+    recs = list(llm.engine.step_records)
+    assert len(recs) == 6  # max_step_records
+    assert [r.block_tables is not None for r in recs] == [False, False, False, True, True, True]
+    with pytest.raises(ValueError, match="max_block_table_records"):
+        LLM(dtype="float32", max_block_table_records=0)

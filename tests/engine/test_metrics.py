@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -137,3 +138,102 @@ def test_async_engine_streams_aborts_and_survives_errors():
     finally:
         aengine.shutdown()
     assert not aengine.is_running
+
+
+def test_a_reader_that_never_reads_holds_one_pending_output():
+    """Outputs are cumulative, so the collector keeps only the latest per request: a client that stops
+    reading costs one output, not one per generated token (issue 12's bounded delivery)."""
+    from pagedserve.engine.async_engine import OutputCollector
+
+    class Long(FakeEngine):
+        def add_request(self, rid, prompt, params, arrival_time=None):
+            self.parents[rid] = [[], params.max_tokens, RequestMetrics(arrival_time=arrival_time)]
+
+    engine = Long()
+    aengine = AsyncLLMEngine(engine, log_interval_s=0)
+    aengine.start()
+
+    async def main():
+        collector = OutputCollector()
+        await aengine.add_request("slow", "p", SamplingParams(max_tokens=2000), collector)
+        await aengine.add_request("slow2", "p", SamplingParams(max_tokens=60), collector)
+        while engine.parents:  # 2,000 steps, each delivering an output, none of them read
+            await asyncio.sleep(0.005)
+            assert collector.num_pending <= 2
+        await asyncio.sleep(0.05)
+        latest = await collector.get()
+        assert set(latest) == {"slow", "slow2"} and collector.num_pending == 0
+        assert latest["slow"].finished and len(latest["slow"].outputs[0].token_ids) == 2000
+        assert latest["slow2"].finished and len(latest["slow2"].outputs[0].token_ids) == 60
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        aengine.shutdown()
+
+
+def test_unhealthy_while_a_step_hangs_with_work_pending():
+    import threading
+
+    release = threading.Event()
+
+    class Hanging(FakeEngine):
+        def step(self):
+            release.wait(5)
+            return super().step()
+
+    engine = Hanging()
+    aengine = AsyncLLMEngine(engine, log_interval_s=0, stall_timeout_s=0.2)
+    assert aengine.unhealthy_reason() == "engine loop is not running"
+    aengine.start()
+
+    async def main():
+        assert aengine.unhealthy_reason() is None  # idle: healthy however long nothing happens
+        await asyncio.sleep(0.3)
+        assert aengine.unhealthy_reason() is None
+        gen = aengine.generate("h", "p", SamplingParams(max_tokens=2))
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.6)
+        reason = aengine.unhealthy_reason()
+        assert reason is not None and "no progress" in reason
+        release.set()
+        await task
+        async for _ in gen:
+            pass
+        await asyncio.sleep(0.05)
+        assert aengine.unhealthy_reason() is None
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        release.set()
+        aengine.shutdown()
+
+
+def test_request_timeout_fails_only_the_old_request():
+    from pagedserve.engine.async_engine import RequestTimeoutError
+
+    class Slow(FakeEngine):
+        def step(self):
+            time.sleep(0.02)
+            return super().step()
+
+    engine = Slow()
+    aengine = AsyncLLMEngine(engine, log_interval_s=0, request_timeout_s=0.5)
+    aengine.start()
+
+    async def main():
+        async def run(rid, n):
+            return [o async for o in aengine.generate(rid, "p", SamplingParams(max_tokens=n))]
+
+        old = asyncio.ensure_future(run("old", 100))  # ~2 s of steps: past the timeout
+        quick = await run("quick", 5)  # ~0.1 s: well within it
+        assert quick[-1].finished and quick[-1].outputs[0].finish_reason == "length"
+        with pytest.raises(RequestTimeoutError, match="timed out after 0.5 s"):
+            await old
+        assert "old" not in engine.parents  # aborted in the engine too
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        aengine.shutdown()

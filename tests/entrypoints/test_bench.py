@@ -68,9 +68,16 @@ def test_bench_serve_against_a_live_server(tmp_path):
                                   num_prompts=6, input_len=12, output_len=5, seed=0,
                                   request_rate=float("inf"), max_concurrency=3)
         r = run_serve(args)
+        # A short soak: requests for 3 s, half of them dropped part-way by the client.
+        soak = run_serve(argparse.Namespace(**{**vars(args), "duration": 3.0, "abort_fraction": 0.5,
+                                               "output_len": 16, "max_concurrency": 4}))
     finally:
         srv.should_exit = True
         thread.join(30)
+    assert soak["dropped"] > 0 and soak["completed"] > 0 and soak["failed"] == 0, soak
+    assert soak["num_prompts"] == soak["dropped"] + soak["completed"]
+    assert soak["server_start"]["rss_bytes"] > 0 and soak["server_end"]["rss_bytes"] > 0
+    assert soak["server_end"]["kv_cache_usage"] == 0 and soak["server_end"]["num_running"] == 0
     assert r["completed"] == 6 and r["failed"] == 0
     assert r["model"] == "SmolLM2-135M-Instruct"
     for key in ("ttft_s_p50", "ttft_s_p99", "tpot_s_mean", "itl_s_p90", "output_tokens_per_s"):

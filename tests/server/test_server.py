@@ -53,7 +53,7 @@ def live():
 
 def _wait_idle(engine: LLMEngine, timeout: float = 20.0) -> None:
     deadline = time.time() + timeout
-    while engine.scheduler.running or engine.scheduler.waiting or engine.kv_manager.pool.num_used_blocks:
+    while (s := engine.stats()).num_running or s.num_waiting or s.num_used_blocks:
         assert time.time() < deadline, "engine did not go idle"
         time.sleep(0.02)
 
@@ -275,6 +275,77 @@ def test_bad_inputs_get_openai_errors(live):
     _wait_idle(live.engine)
 
 
+def _hostile_cases(model: str, vocab: int) -> list[tuple[str, object, str]]:
+    """Requests that once answered 500 or harmed their neighbours (issue 12): (path, body, param of the 400)."""
+    cmpl, chat = "/v1/completions", "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    return [
+        (cmpl, {"model": model, "prompt": "hi", "stop_token_ids": [10**9], "min_tokens": 1}, "stop_token_ids"),
+        (cmpl, {"model": model, "prompt": "hi", "stop_token_ids": [vocab + 5], "min_tokens": 1}, "stop_token_ids"),
+        (cmpl, {"model": model, "prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
+        (cmpl, {"model": model, "prompt": "hi", "top_k": 2**63, "temperature": 0.8}, "top_k"),
+        (cmpl, {"model": model, "prompt": "hi", "top_k": 10**30, "temperature": 0.8}, "top_k"),
+        (cmpl, {"model": model, "prompt": "hi", "top_k": vocab + 1, "temperature": 0.8}, "top_k"),
+        (cmpl, {"model": model, "prompt": "hi", "n": 128, "seed": 2**64 - 5}, "seed"),
+        (cmpl, {"model": model, "prompt": "hi", "n": 4, "seed": 2**63 - 2}, "seed"),
+        (cmpl, {"model": model, "prompt": "hi \ud800"}, "prompt"),
+        (cmpl, {"model": model, "prompt": ["ok", "\udfff"]}, "prompt"),
+        (cmpl, {"model": model, "prompt": "hi", "stop": ["\ud800"]}, "stop"),
+        (cmpl, '{"prompt": "hi", "temperature": Infinity}', "temperature"),
+        (cmpl, '{"prompt": "hi", "top_p": NaN}', "top_p"),
+        (cmpl, {"model": model, "prompt": "hi", "temperature": 1e308}, "temperature"),
+        (cmpl, {"model": model, "prompt": "hi", "repetition_penalty": 1e-320}, "repetition_penalty"),
+        (cmpl, '{"prompt": "hi", "presence_penalty": -Infinity}', "presence_penalty"),
+        (cmpl, '{"prompt": "hi", "min_p": NaN}', "min_p"),
+        (cmpl, {"model": model, "prompt": "hi", "stop_token_ids": list(range(2000))}, "stop_token_ids"),
+        (cmpl, {"model": model, "prompt": "hi", "n": 129}, "n"),
+        (cmpl, {"model": model, "prompt": "hi", "stop": ["x"] * 40}, "stop"),
+        (cmpl, {"model": model, "prompt": "hi", "stop": ["x" * 600]}, "stop"),
+        (cmpl, {"model": model, "prompt": ["hi"] * 300}, "prompt"),
+        (cmpl, {"model": model, "prompt": ["hi"] * 10, "n": 100}, "n"),
+        (chat, {"model": model, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        (chat, {"model": model, "messages": [{"role": "\ud800", "content": "x"}]}, "messages"),
+        (chat, {"model": "\ud800", "messages": msgs}, "model"),
+        (chat, {"model": model, "messages": msgs, "stop_token_ids": [10**9], "min_tokens": 1}, "stop_token_ids"),
+        ("/tokenize", {"model": model, "prompt": "\ud800"}, "prompt"),
+    ]
+
+
+def test_hostile_requests_get_400_and_harm_no_neighbour(live):
+    """Each request that once broke the step for everyone is a 400 naming its field, while a victim stream
+    runs; the victim gives the same text as alone, and nothing is left running."""
+    _wait_idle(live.engine)
+    victim = {"model": live.model, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
+              "ignore_eos": True}
+    alone = live.http.post("/v1/completions", json=victim).json()["choices"][0]["text"]
+
+    def stream_victim() -> str:
+        text = ""
+        with httpx.Client(base_url=live.url, headers=AUTH, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json={**victim, "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        text += chunk["choices"][0]["text"]
+        return text
+
+    vocab = live.engine.tokenizer.vocab_size
+    with ThreadPoolExecutor(2) as pool:
+        victims = [pool.submit(stream_victim) for _ in range(2)]
+        for path, body, param in _hostile_cases(live.model, vocab):
+            # json.dumps escapes lone surrogates as \\udXXX, as a client's JSON encoder would send them.
+            raw = body if isinstance(body, str) else json.dumps(body)
+            r = live.http.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (path, body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and err["message"], (body, err)
+        assert [v.result() for v in victims] == [alone, alone]
+    _wait_idle(live.engine)
+    assert not live.engine.parents and live.http.get("/health").status_code == 200
+
+
 # ---- disconnect frees the request at once ---------------------------------------------------------------
 def test_disconnect_aborts_and_frees_blocks(live):
     _wait_idle(live.engine)
@@ -327,21 +398,139 @@ def test_metrics(live):
     assert httpx.get(f"{live.url}/metrics").status_code == 401
 
 
-def test_shutdown_aborts_in_flight(live):
-    """Last test: SIGTERM's handler aborts a running stream at once and the server exits."""
-    body = {"model": live.model, "prompt": "Count forever:", "max_tokens": 4000, "ignore_eos": True,
-            "stream": True}
-    finish: list[str | None] = []
-    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body) as r:
+# ---- the front door: auth before the body, bounded bodies ------------------------------------------------
+def _raw_request(url: str, head: str) -> bytes:
+    """Send only the request head (no body) and read what the server answers."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode())
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def test_auth_is_checked_before_the_body_and_bodies_are_bounded(live):
+    from pagedserve.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES
+
+    big = DEFAULT_MAX_BODY_BYTES + 1
+    # No key: 401 at once, although the announced body never comes.
+    reply = _raw_request(live.url, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {big}\r\n"
+                                   "Content-Type: application/json\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in reply
+    # With the key, a body announced too large: 413 before reading it.
+    reply = _raw_request(live.url, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {big}\r\n"
+                                   f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 413") and b"body_too_large" in reply
+
+    def chunks():  # chunked, no length: cut off once past the bound
+        piece = b" " * (1 << 20)
+        for _ in range(DEFAULT_MAX_BODY_BYTES // len(piece) + 2):
+            yield piece
+
+    r = live.http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert live.http.get("/health").status_code == 200
+    r = live.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_abort_storm_leaves_the_engine_idle(live):
+    """50 streams dropped at random points (some before their first token): afterwards nothing runs or
+    waits and every KV block is back (but the prefix cache's), within a few seconds."""
+    import random
+
+    _wait_idle(live.engine)
+    rng = random.Random(0)
+    cut_after = [rng.randrange(0, 8) for _ in range(50)]
+
+    def dropped(i: int) -> int:
+        body = {"model": live.model, "prompt": f"Story {i}:", "max_tokens": 200, "temperature": 0.7,
+                "seed": i, "ignore_eos": True, "stream": True, "n": 1 + i % 3}
+        seen = 0
+        with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if seen >= cut_after[i]:
+                        break  # leaving the block closes the connection mid-stream
+                    seen += line.startswith("data: ")
+        return seen
+
+    with ThreadPoolExecutor(16) as pool:
+        assert sum(pool.map(dropped, range(50))) > 0
+    _wait_idle(live.engine, timeout=10)
+    s = live.engine.stats()
+    assert s.num_running == s.num_waiting == s.num_unfinished_requests == s.num_used_blocks == 0
+    r = live.http.post("/v1/completions", json={"prompt": "Still fine?", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and live.http.get("/health").status_code == 200
+
+
+def test_shutdown_drains_then_fails_what_is_left(live):
+    """Last test: SIGTERM stops new work (503), lets in-flight requests finish for shutdown_timeout_s,
+    then ends the rest with an error (an error event in a stream, 503 otherwise), never a cut-off 200."""
+    live.server.shutdown_timeout_s = 3.0
+    long_body = {"model": live.model, "prompt": "Count forever:", "max_tokens": 4000, "ignore_eos": True}
+    short_body = {"model": live.model, "prompt": "Say hi.", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    events: list[dict] = []
+    with ThreadPoolExecutor(3) as pool, httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as http:
+        cut = pool.submit(live.http.post, "/v1/completions", json=long_body)
+        with http.stream("POST", "/v1/completions", json={**long_body, "stream": True}) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
+            short = pool.submit(live.http.post, "/v1/completions", json=short_body)
+            time.sleep(0.3)
             t0 = time.time()
-            live.stop()
+            live.server.handle_exit(signal.SIGTERM, None)
+            time.sleep(0.2)
+            refused = httpx.post(f"{live.url}/v1/completions", json=short_body, headers=AUTH, timeout=10)
+            health = httpx.get(f"{live.url}/health", timeout=10)
             for line in lines:
                 if line.startswith("data: {"):
-                    finish.append(json.loads(line[6:])["choices"][0]["finish_reason"])
-    assert finish and finish[-1] == "abort"
-    assert time.time() - t0 < 15
+                    events.append(json.loads(line[6:]))
+        assert refused.status_code == 503 and health.status_code == 503
+        assert short.result().status_code == 200  # finished within the drain
+        assert short.result().json()["choices"][0]["finish_reason"] == "length"
+        assert cut.result().status_code == 503  # not a 200 with a truncated text
+        assert "error" in events[-1]
+        assert all(e["choices"][0]["finish_reason"] != "abort" for e in events if e.get("choices"))
+    live.thread.join(30)
+    assert 2.5 < time.time() - t0 < 20
     assert not live.thread.is_alive()
-    assert live.engine.kv_manager.pool.num_used_blocks == 0
+    assert live.engine.stats().num_used_blocks == 0
+
+
+# ---- a full queue answers 429 -----------------------------------------------------------------------------
+def test_queue_full_gets_429_and_accepted_requests_complete():
+    engine = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=1))
+    app = build_app(engine, max_queue_len=2)
+    server, thread, url = start_server(app, timeout_graceful_shutdown=5)
+    body = {"prompt": "Count slowly:", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+    def post(_):
+        start = time.time()
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        return r, time.time() - start
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(post, range(8)))
+        ok = [r for r, _ in results if r.status_code == 200]
+        full = [(r, dt) for r, dt in results if r.status_code == 429]
+        assert len(ok) + len(full) == 8 and ok and full, [r.status_code for r, _ in results]
+        for r in ok:
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        slowest_ok = max(dt for r, dt in results if r.status_code == 200)
+        for r, dt in full:
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "rate_limit_exceeded"
+            assert dt < slowest_ok  # answered at once, not after waiting
+        _wait_idle(engine)
+    finally:
+        server.handle_exit(signal.SIGTERM, None)
+        thread.join(30)

@@ -211,23 +211,41 @@ def _percentiles(values: list[float], name: str) -> dict:
             f"{name}_p99": pct(99)}
 
 
-async def _one_stream(client, url: str, body: dict, headers: dict) -> dict:
+async def _one_stream(client, url: str, body: dict, headers: dict, drop_after: int | None = None) -> dict:
+    """One streamed completion; with drop_after, the client goes away after that many text chunks."""
     start = time.perf_counter()
     stamps = []
     async with client.stream("POST", url, json=body, headers=headers) as resp:
         if resp.status_code != 200:
-            return {"error": f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"}
+            return {"error": f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}", "status": resp.status_code}
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": f"error event: {chunk['error'].get('message', '')[:200]}", "status": "stream-error"}
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stamps.append(time.perf_counter())
+                if drop_after is not None and len(stamps) >= drop_after:
+                    return {"dropped": True}  # leaving the block closes the connection mid-stream
     end = time.perf_counter()
     if not stamps:
-        return {"error": "no tokens streamed"}
+        return {"error": "no tokens streamed", "status": "empty"}
     return {"ttft": stamps[0] - start, "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
             "e2e": end - start, "n": len(stamps)}
+
+
+async def _server_state(client, base_url: str, headers: dict) -> dict:
+    """The server's RSS, KV usage and running/waiting requests, read from its /metrics."""
+    text = (await client.get(base_url + "/metrics", headers=headers)).text
+    wanted = {"process_resident_memory_bytes": "rss_bytes", "pagedserve:kv_cache_usage_perc": "kv_cache_usage",
+              "pagedserve:num_requests_running": "num_running", "pagedserve:num_requests_waiting": "num_waiting"}
+    state = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted and not line.startswith("#"):
+            state[wanted[name]] = float(line.rsplit(" ", 1)[1])
+    return state
 
 
 async def _serve_load(args) -> dict:
@@ -237,12 +255,16 @@ async def _serve_load(args) -> dict:
     import httpx
 
     prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
-    url = args.base_url.rstrip("/") + "/v1/completions"
+    base = args.base_url.rstrip("/")
+    url = base + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    duration = getattr(args, "duration", None)
+    abort_fraction = getattr(args, "abort_fraction", 0.0) or 0.0
     model = args.served_model
-    if model is None:
-        async with httpx.AsyncClient(timeout=30) as c:
-            model = (await c.get(args.base_url.rstrip("/") + "/v1/models", headers=headers)).json()["data"][0]["id"]
+    async with httpx.AsyncClient(timeout=30) as c:
+        if model is None:
+            model = (await c.get(base + "/v1/models", headers=headers)).json()["data"][0]["id"]
+        state_start = await _server_state(c, base, headers)
     sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed)
     results = []
@@ -250,26 +272,46 @@ async def _serve_load(args) -> dict:
     async def task(prompt):
         body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
                 "ignore_eos": True, "stream": True}
+        drop = rng.randint(1, max(1, args.output_len // 2)) if rng.random() < abort_fraction else None
         async with sem:
-            results.append(await _one_stream(client, url, body, headers))
+            results.append(await _one_stream(client, url, body, headers, drop))
 
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=None) as client:
         tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(task(p)))
+        i = 0
+        # A fixed number of prompts, or (with --duration) new requests until the time is up.
+        while (i < len(prompts)) if duration is None else (time.perf_counter() - start < duration):
+            if duration is not None:
+                while sum(not t.done() for t in tasks) >= (args.max_concurrency or len(prompts)):
+                    await asyncio.sleep(0.01)
+                    if time.perf_counter() - start >= duration:
+                        break
+            tasks.append(asyncio.create_task(task(prompts[i % len(prompts)])))
+            i += 1
             if args.request_rate and args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - start
-    ok = [r for r in results if "error" not in r]
+    async with httpx.AsyncClient(timeout=30) as c:  # let aborted requests drain, then look again
+        for _ in range(100):
+            state_end = await _server_state(c, base, headers)
+            if not state_end.get("num_running") and not state_end.get("num_waiting"):
+                break
+            await asyncio.sleep(0.1)
+    ok = [r for r in results if "n" in r]
+    dropped = sum(1 for r in results if r.get("dropped"))
+    errors: dict[str, int] = {}
+    for r in results:
+        if "error" in r:
+            errors[str(r["status"])] = errors.get(str(r["status"]), 0) + 1
     out_tokens = sum(r["n"] for r in ok)
-    result = {"mode": "serve", "base_url": args.base_url, "model": model, "num_prompts": len(prompts),
-              "completed": len(ok), "failed": len(results) - len(ok), "input_len": args.input_len,
-              "output_len": args.output_len, "request_rate": args.request_rate,
-              "max_concurrency": args.max_concurrency, "elapsed_s": elapsed,
-              "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
-              "machine": machine_info()}
+    result = {"mode": "serve", "base_url": args.base_url, "model": model, "num_prompts": len(results),
+              "completed": len(ok), "dropped": dropped, "failed": sum(errors.values()), "errors_by_status": errors,
+              "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
+              "max_concurrency": args.max_concurrency, "duration_s": duration, "abort_fraction": abort_fraction,
+              "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+              "server_start": state_start, "server_end": state_end, "machine": machine_info()}
     result.update(_percentiles([r["ttft"] for r in ok], "ttft_s"))
     result.update(_percentiles([(r["e2e"] - r["ttft"]) / max(r["n"] - 1, 1) for r in ok], "tpot_s"))
     result.update(_percentiles([x for r in ok for x in r["itl"]], "itl_s"))
@@ -312,6 +354,10 @@ def register(sub) -> None:
             m.add_argument("--api-key", default=None)
             m.add_argument("--request-rate", type=float, default=float("inf"))
             m.add_argument("--max-concurrency", type=int, default=None)
+            m.add_argument("--duration", type=float, default=None,
+                           help="keep sending requests for this many seconds (a soak run) instead of --num-prompts")
+            m.add_argument("--abort-fraction", type=float, default=0.0,
+                           help="share of streams the client drops part-way (at a random token)")
         else:
             add_engine_args(m)
 

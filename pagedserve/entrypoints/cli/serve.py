@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 
 import uvicorn
 
+from pagedserve.engine.async_engine import DEFAULT_MAX_QUEUE_LEN
 from pagedserve.entrypoints.cli.args import add_engine_args, engine_config_from_args
+from pagedserve.entrypoints.dashboard.serving import DASHBOARD_STEPS
 from pagedserve.envs import ENV
 
 logger = logging.getLogger("pagedserve")
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def register(sub) -> None:
@@ -24,9 +28,17 @@ def register(sub) -> None:
                    help="the model name clients send (default: from the model)")
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between stats log lines while busy")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests may still finish before they are aborted")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may wait and run in all; older ones end with an error (408)")
+    p.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
+                   help="sequences that may wait for the batch; beyond, new requests get 429 with Retry-After")
     add_engine_args(p, positional_model=True)
-    # Block tables per step feed the live /dashboard block map.
-    p.set_defaults(func=lambda args: cmd_serve(args, engine_config_from_args(args, keep_block_tables=True)))
+    # Block tables per step feed the live /dashboard block map; a server keeps them (and its step records)
+    # only for as many steps as the dashboard shows, so memory stays bounded however long it runs.
+    p.set_defaults(func=lambda args: cmd_serve(args, engine_config_from_args(
+        args, keep_block_tables=True, max_block_table_records=DASHBOARD_STEPS, max_step_records=4 * DASHBOARD_STEPS)))
 
 
 def cmd_serve(args: argparse.Namespace, config) -> int:
@@ -36,11 +48,13 @@ def cmd_serve(args: argparse.Namespace, config) -> int:
     from pagedserve.metrics import EngineMetrics
 
     engine = LLMEngine(config)
-    aengine = AsyncLLMEngine(engine, args.log_interval, EngineMetrics(engine))
+    aengine = AsyncLLMEngine(engine, args.log_interval, EngineMetrics(engine), args.max_queue_len,
+                             request_timeout_s=args.request_timeout)
     app = build_app(engine, api_key=args.api_key, async_engine=aengine)
     server = GracefulServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5),
         aengine,
+        args.shutdown_timeout,
     )
     logger.info("serving %s on http://%s:%d/v1", engine.served_model_name, args.host, args.port)
     server.run()
@@ -48,14 +62,33 @@ def cmd_serve(args: argparse.Namespace, config) -> int:
 
 
 class GracefulServer(uvicorn.Server):
-    """On SIGINT/SIGTERM: abort in-flight requests at once (their streams end with finish_reason 'abort'),
-    let uvicorn close, and exit 0 instead of re-raising the signal."""
+    """On SIGINT/SIGTERM: stop taking requests (503), let those in flight finish for up to
+    `shutdown_timeout_s`, then abort the rest (their clients get an error, never a cut-off 200), let
+    uvicorn close, and exit 0 instead of re-raising the signal. A second signal stops at once."""
 
-    def __init__(self, config: uvicorn.Config, async_engine) -> None:
+    def __init__(self, config: uvicorn.Config, async_engine, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
         super().__init__(config)
         self.async_engine = async_engine
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._draining: threading.Thread | None = None
 
     def handle_exit(self, sig, frame) -> None:
+        self._captured_signals.clear()
+        if self._draining is not None:  # the second signal: no more waiting
+            self._stop(sig, frame)
+            return
+        self.async_engine.begin_drain()
+        self._draining = threading.Thread(target=self._drain, args=(sig, frame), name="pagedserve-drain",
+                                          daemon=True)
+        self._draining.start()
+
+    def _drain(self, sig, frame) -> None:
+        if not self.async_engine.wait_drained(self.shutdown_timeout_s):
+            logger.warning("shutdown: %d requests still in flight after %.0f s; aborting them",
+                           self.async_engine.num_in_flight, self.shutdown_timeout_s)
+        self._stop(sig, frame)
+
+    def _stop(self, sig, frame) -> None:
         self.async_engine.request_stop()
         super().handle_exit(sig, frame)
         self._captured_signals.clear()

@@ -17,4 +17,12 @@ def dashboard_page() -> HTMLResponse:
 
 
 async def dashboard_state(ctx: ServerContext) -> JSONResponse:
-    return JSONResponse(await ctx.async_engine.call(lambda e: engine_trace_data(e, max_steps=DASHBOARD_STEPS)))
+    """Built at most once per engine step, however many dashboards poll."""
+
+    def build(engine) -> dict:
+        cached = ctx.dashboard_cache.get("state")
+        if cached is None or cached[0] != engine.step_count:
+            cached = ctx.dashboard_cache["state"] = (engine.step_count, engine_trace_data(engine, DASHBOARD_STEPS))
+        return cached[1]
+
+    return JSONResponse(await ctx.async_engine.call(build))

@@ -10,19 +10,20 @@ deltas over SSE; a client that goes away has its requests aborted at once.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.async_engine import DEFAULT_MAX_QUEUE_LEN, AsyncLLMEngine
 from pagedserve.engine.engine import LLMEngine
 from pagedserve.entrypoints.dashboard import serving as serving_dashboard
-from pagedserve.entrypoints.openai import serving_models, serving_tokenize
+from pagedserve.entrypoints.openai import protocol, serving_models, serving_tokenize
+from pagedserve.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,12 +40,22 @@ from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 logger = logging.getLogger("pagedserve")
 
 
+# The alternatives of a union body (POST /tokenize) appear in error locations by their model's name.
+_MODEL_NAMES = {name for name, obj in vars(protocol).items() if isinstance(obj, type) and issubclass(obj, BaseModel)}
+
+
+def _field_path(error: dict) -> list[str]:
+    """The field an error is about: its location without "body" and without union alternatives' names."""
+    return [str(x) for x in error.get("loc", ()) if x != "body" and x not in _MODEL_NAMES]
+
+
 # ---- the app -------------------------------------------------------------------------------------
 def build_app(
     engine: LLMEngine, api_key: str | None = None, log_interval_s: float = 10.0,
-    async_engine: AsyncLLMEngine | None = None,
+    async_engine: AsyncLLMEngine | None = None, max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    aengine = async_engine or AsyncLLMEngine(engine, log_interval_s, EngineMetrics(engine))
+    aengine = async_engine or AsyncLLMEngine(engine, log_interval_s, EngineMetrics(engine), max_queue_len)
     ctx = ServerContext(engine, aengine)
 
     @asynccontextmanager
@@ -54,6 +65,7 @@ def build_app(
             yield
         finally:
             await asyncio.to_thread(aengine.shutdown)
+            ctx.close()
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.engine = engine
@@ -62,19 +74,19 @@ def build_app(
     # ---- errors -----------------------------------------------------------------------------------
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = _field_path(first)
         param = loc[0] if loc else None
         if first.get("type") == "json_invalid":
             message, param = f"invalid JSON body: {first.get('ctx', {}).get('error', '')}".strip(), None
         else:
             # A union field (prompt, stop, content) fails once per alternative: list them all.
-            same = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
+            same = [e for e in errors if _field_path(e)[:1] == loc[:1]]
             msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in same))
             message = f"{param or 'body'}: {' or '.join(msgs[:4])}"
             if len(errors) > len(same):
@@ -93,29 +105,22 @@ def build_app(
         err = OpenAIError(f"internal error: {exc}", 500, "server_error")
         return JSONResponse(err.body(), status_code=500)
 
-    def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise OpenAIError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
-                              code="invalid_api_key")
-
-    auth = [Depends(check_api_key)]
+    # Authentication and the body-size bound run before FastAPI reads anything (middleware.py).
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     # ---- routes: one serving module per endpoint family ----------------------------------------------
     @app.get("/health")
     async def health():
-        if not aengine.is_running:
-            raise OpenAIError("engine loop is not running", 503, "server_error")
+        reason = aengine.unhealthy_reason()
+        if reason is not None:
+            raise OpenAIError(reason, 503, "server_error")
         return JSONResponse({})
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models():
         return serving_models.list_models(ctx)
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def prometheus():
         return Response(aengine.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -123,23 +128,23 @@ def build_app(
     async def dashboard():
         return serving_dashboard.dashboard_page()
 
-    @app.get("/dashboard/state", dependencies=auth)
+    @app.get("/dashboard/state")
     async def dashboard_state():
         return await serving_dashboard.dashboard_state(ctx)
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
-        return serving_tokenize.tokenize(ctx, body)
+        return await serving_tokenize.tokenize(ctx, body)
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return serving_tokenize.detokenize(ctx, body)
+        return await serving_tokenize.detokenize(ctx, body)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         return await create_completion(ctx, body, raw)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
 

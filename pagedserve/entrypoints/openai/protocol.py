@@ -9,13 +9,16 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import MAX_N, SEED_MAX, SEED_MIN, SamplingParams, check_text
 
-MAX_N = 128  # samples per request: a guard against one request filling the whole engine
+# Prompts of one /v1/completions request, and sequences (prompts x n) it may start: a guard against one
+# request filling the whole engine.
+MAX_PROMPTS = 256
+MAX_SEQUENCES_PER_REQUEST = 512
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[\d+\])?:")
-SeedInt = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+SeedInt = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 
 
 class OpenAIError(Exception):
@@ -23,7 +26,7 @@ class OpenAIError(Exception):
 
     def __init__(
         self, message: str, status_code: int = 400, type: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None,
+        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -31,6 +34,7 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -45,6 +49,21 @@ class OpenAIError(Exception):
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        """JSON may carry lone surrogates ("\\ud800"): text that no tokenizer can take is a 400 here."""
+        _check_strings(info.field_name or "body", value)
+        return value
+
+
+def _check_strings(name: str, value: Any) -> None:
+    if isinstance(value, str):
+        check_text(name, value)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _check_strings(name, v)
 
 
 class StreamOptions(_Request):

@@ -27,8 +27,7 @@ from pagedserve.outputs import CompletionOutput, Logprob
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: Request):
     tok = ctx.tokenizer
     ctx.check_model(body.model)
-    text = apply_template(tok, body.messages, body.add_generation_prompt)
-    ids = tok.encode(text, add_special_tokens=False)
+    text, ids = await ctx.in_tokenizer_thread(templated_ids, tok, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
@@ -54,6 +53,11 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         "choices": choices,
         "usage": usage(len(ids), sum(len(o.token_ids) for o in out.outputs)),
     }
+
+
+def templated_ids(tok, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    text = apply_template(tok, messages, add_generation_prompt)
+    return text, tok.encode(text, add_special_tokens=False)
 
 
 def apply_template(tok, messages: list[ChatMessage], add_generation_prompt: bool) -> str:

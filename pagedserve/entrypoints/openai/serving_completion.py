@@ -10,7 +10,12 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedserve.entrypoints.openai.protocol import CompletionRequest, OpenAIError
+from pagedserve.entrypoints.openai.protocol import (
+    MAX_PROMPTS,
+    MAX_SEQUENCES_PER_REQUEST,
+    CompletionRequest,
+    OpenAIError,
+)
 from pagedserve.entrypoints.openai.serving_engine import (
     Deltas,
     Run,
@@ -27,7 +32,7 @@ from pagedserve.outputs import CompletionOutput, Logprob
 async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Request):
     tok = ctx.tokenizer
     ctx.check_model(body.model)
-    prompts = completion_prompts(tok, body.prompt)
+    prompts = await ctx.in_tokenizer_thread(completion_prompts, tok, body.prompt)
     if body.echo and body.logprobs is not None:
         raise OpenAIError("echo: echo together with logprobs is not supported", param="echo")
     if body.suffix:
@@ -35,12 +40,14 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     if body.best_of is not None and body.best_of != body.n:
         raise OpenAIError("best_of: only best_of == n is supported", param="best_of")
     params = body.sampling_params(body.max_tokens, body.logprobs)
+    if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
+        raise OpenAIError(f"n: {len(prompts)} prompts x n={params.n} exceeds {MAX_SEQUENCES_PER_REQUEST} sequences "
+                          "per request", param="n")
     base = f"cmpl-{uuid.uuid4().hex}"
     run = Run(ctx.async_engine)
     await run.add([(f"{base}-{i}", prompt) for i, prompt in enumerate(prompts)], params)
     index_of = {f"{base}-{i}": i for i in range(len(prompts))}
-    echo = [tok.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts]
-    echo = echo if body.echo else []
+    echo = await ctx.in_tokenizer_thread(echo_texts, tok, prompts) if body.echo else []
     created = int(time.time())
     if body.stream:
         gen = stream_completion(run, body, base, created, ctx.model_name, index_of, prompts, echo)
@@ -67,6 +74,10 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     }
 
 
+def echo_texts(tok, prompts: list[dict]) -> list[str]:
+    return [tok.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts]
+
+
 def completion_prompts(tok, prompt) -> list[dict]:
     """string | [string] | [ids] | [[ids]] → [{"prompt", "prompt_token_ids"}]."""
     if isinstance(prompt, str):
@@ -77,6 +88,8 @@ def completion_prompts(tok, prompt) -> list[dict]:
         items = [prompt]
     else:
         items = list(prompt)
+    if len(items) > MAX_PROMPTS:
+        raise OpenAIError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(items)}", param="prompt")
     out = []
     for p in items:
         if not p:

@@ -8,13 +8,21 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    OutputCollector,
+    QueueFullError,
+    RequestTimeoutError,
+)
 from pagedserve.engine.engine import LLMEngine
 from pagedserve.entrypoints.openai.protocol import OpenAIError
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -22,7 +30,9 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
+T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5
+RETRY_AFTER_S = 1  # what a 429 (queue full) tells the client to wait
 
 
 @dataclass
@@ -32,6 +42,17 @@ class ServerContext:
     engine: LLMEngine
     async_engine: AsyncLLMEngine
     created_at: int = field(default_factory=lambda: int(time.time()))
+    # Tokenizing and chat templating run here, off the event loop (one thread: the HF tokenizer is used
+    # by one caller at a time besides the engine thread's incremental detokenizers).
+    dashboard_cache: dict = field(default_factory=dict)  # entrypoints/dashboard: the state of the last step
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer"))
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    def close(self) -> None:
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def model_name(self) -> str:
@@ -51,7 +72,7 @@ class ServerContext:
 class Run:
     def __init__(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.collector = OutputCollector()
         self.pending: list[str] = []
         self.finished: dict[str, RequestOutput] = {}
 
@@ -60,7 +81,7 @@ class Run:
         self.pending.extend(rid for rid, _ in requests)  # before awaiting: a cancelled add is still aborted
         try:
             results = await asyncio.gather(
-                *(self.engine.add_request(rid, prompt, params, self.queue) for rid, prompt in requests),
+                *(self.engine.add_request(rid, prompt, params, self.collector) for rid, prompt in requests),
                 return_exceptions=True,
             )
         except BaseException:
@@ -72,6 +93,9 @@ class Run:
         self.abort()
         if isinstance(error, ValueError):
             raise OpenAIError.from_value_error(error)
+        if isinstance(error, QueueFullError):
+            raise OpenAIError(str(error), 429, "rate_limit_exceeded", code="queue_full",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
         if isinstance(error, EngineDeadError):
             raise OpenAIError(str(error), 503, "server_error")
         raise error
@@ -79,15 +103,14 @@ class Run:
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield outputs (the latest per request) until all have finished."""
         while len(self.finished) < len(self.pending):
-            item = await self.queue.get()
-            latest: dict[str, RequestOutput] = {}
-            while True:
+            latest = await self.collector.get()
+            for item in latest.values():
+                if isinstance(item, EngineDeadError):  # shut down (or the loop died) before it finished
+                    raise OpenAIError(str(item), 503, "server_error")
+                if isinstance(item, RequestTimeoutError):
+                    raise OpenAIError(str(item), 408, "timeout", code="request_timeout")
                 if isinstance(item, BaseException):
                     raise OpenAIError(str(item), 500, "server_error")
-                latest[item.request_id] = item
-                if self.queue.empty():
-                    break
-                item = self.queue.get_nowait()
             for out in latest.values():
                 if out.error:
                     raise OpenAIError(out.error, 500, "server_error")

@@ -12,8 +12,12 @@ from pagedserve.entrypoints.openai.serving_chat import apply_template
 from pagedserve.entrypoints.openai.serving_engine import ServerContext
 
 
-def tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+async def tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
     ctx.check_model(body.model)
+    return await ctx.in_tokenizer_thread(_tokenize, ctx, body)
+
+
+def _tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
     tok = ctx.tokenizer
     if isinstance(body, TokenizeChatRequest):
         text = apply_template(tok, body.messages, body.add_generation_prompt)
@@ -23,8 +27,12 @@ def tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChatR
     return {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids, "token_strs": None}
 
 
-def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> dict:
+async def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> dict:
     ctx.check_model(body.model)
+    return await ctx.in_tokenizer_thread(_detokenize, ctx, body)
+
+
+def _detokenize(ctx: ServerContext, body: DetokenizeRequest) -> dict:
     tok = ctx.tokenizer
     vocab = tok.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
