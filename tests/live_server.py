@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from pagedserve.entrypoints.cli.serve import GracefulServer
@@ -29,3 +31,17 @@ def start_server(app, **config) -> tuple[GracefulServer, threading.Thread, str]:
         assert thread.is_alive() and time.time() < deadline, "server did not start"
         time.sleep(0.05)
     return server, thread, f"http://127.0.0.1:{port}"
+
+
+def stream_text(url: str, body: dict, headers: dict | None = None) -> str:
+    """Stream a /v1/completions request to its end; its whole text (no error event may come)."""
+    text = ""
+    with httpx.Client(base_url=url, headers=headers or {}, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    text += chunk["choices"][0]["text"]
+    return text

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from live_server import start_server
+from live_server import start_server, stream_text
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import LLMEngine
@@ -90,19 +90,6 @@ def check_answer(r: httpx.Response, where) -> None:
         assert set(err) == {"message", "type", "param", "code"} and err["message"], (where, body)
     else:
         assert isinstance(body, dict) and ("choices" in body or "tokens" in body or "prompt" in body), (where, body)
-
-
-def stream_text(url: str, body: dict) -> str:
-    text = ""
-    with httpx.Client(base_url=url, timeout=120) as http:
-        with http.stream("POST", CMPL, json={**body, "stream": True}) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    text += chunk["choices"][0]["text"]
-    return text
 
 
 def test_barrage_over_every_endpoint_harms_nobody(server):

@@ -14,7 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from live_server import start_server  # noqa: E402
+from live_server import start_server, stream_text  # noqa: E402
 
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.engine import LLMEngine  # noqa: E402
@@ -319,21 +319,9 @@ def test_hostile_requests_get_400_and_harm_no_neighbour(live):
               "ignore_eos": True}
     alone = live.http.post("/v1/completions", json=victim).json()["choices"][0]["text"]
 
-    def stream_victim() -> str:
-        text = ""
-        with httpx.Client(base_url=live.url, headers=AUTH, timeout=120) as http:
-            with http.stream("POST", "/v1/completions", json={**victim, "stream": True}) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        chunk = json.loads(line[6:])
-                        assert "error" not in chunk, chunk
-                        text += chunk["choices"][0]["text"]
-        return text
-
     vocab = live.engine.tokenizer.vocab_size
     with ThreadPoolExecutor(2) as pool:
-        victims = [pool.submit(stream_victim) for _ in range(2)]
+        victims = [pool.submit(stream_text, live.url, victim, AUTH) for _ in range(2)]
         for path, body, param in _hostile_cases(live.model, vocab):
             # json.dumps escapes lone surrogates as \\udXXX, as a client's JSON encoder would send them.
             raw = body if isinstance(body, str) else json.dumps(body)
