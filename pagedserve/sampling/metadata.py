@@ -33,8 +33,8 @@ class SamplingMetadata:
     all_greedy: bool
     # Greedy with nothing to adjust or report: argmax straight on the model's logits (no upcast).
     all_plain_greedy: bool
-    greedy: torch.Tensor  # [rows] bool
-    temperature: torch.Tensor  # [rows, 1] float32 (1.0 on greedy rows)
+    greedy: torch.Tensor | None  # [rows] bool; None when all_greedy
+    temperature: torch.Tensor | None  # [rows, 1] float32 (1.0 on greedy rows); None when all_greedy
     top_k: torch.Tensor | None  # [rows] int64 (0: off); None when no row filters
     top_p: torch.Tensor | None  # [rows] float32
     min_p: torch.Tensor | None  # [rows] float32; None when no row uses it
@@ -71,8 +71,10 @@ class SamplingMetadata:
             all_plain_greedy=all(greedy) and not penalties and not banned
             and all(n is None for n in num_logprobs)
             and all(r.num_output_tokens >= p.min_tokens for r, p in zip(requests, params, strict=True)),
-            greedy=torch.tensor(greedy, dtype=torch.bool),
-            temperature=torch.tensor([1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1),
+            # Only a step that draws reads these: an all-greedy step (most) builds no tensor at all.
+            greedy=None if all(greedy) else torch.tensor(greedy, dtype=torch.bool),
+            temperature=None if all(greedy) else torch.tensor(
+                [1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1),
             top_k=torch.tensor([p.top_k for p in params]) if filters else None,
             top_p=torch.tensor([p.top_p for p in params]) if filters else None,
             min_p=torch.tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in sampled) else None,
