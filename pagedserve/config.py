@@ -75,6 +75,12 @@ class EngineConfig:
         "gguf_gemv", "decode-sized matmuls read GGUF Q4_0/Q4_1/Q8_0 blocks directly (AVX-512 builds)")
     decode_stack: bool = _env_knob(
         "decode_stack", "decode steps of up to 4 sequences run every layer in one C++ call")
+    fixed_matmuls: bool | None = _env_knob(
+        "fixed_matmuls", "every matmul on pagedserve's fixed-order C++ matmul (batch-invariant); default: "
+        "on CPUs without AVX-512, where it is the fastest")
+    batch_invariant: bool = _env_knob(
+        "batch_invariant", "strict mode: a request's logits are bit-identical whatever else is in the batch "
+        "(fixed-order C++ matmuls and attention; needs the C++ kernels)")
     keep_dequantized_weights: bool = _env_knob(
         "keep_dequantized_weights", "keep the last GGUF's dequantized weights in memory (many engines in one "
         "process)", cli=False)
@@ -103,9 +109,14 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r} "
                              f"(choose from {sorted(ATTENTION_BACKENDS)})")
+        if self.fixed_matmuls is not None and not isinstance(self.fixed_matmuls, bool):
+            raise ValueError(f"fixed_matmuls: must be true, false or None, got {self.fixed_matmuls!r}")
         for f in fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"{f.name}: must be true or false, got {getattr(self, f.name)!r}")
+        if self.batch_invariant and (not self.use_cpp_kernels or self.attention_backend != "batched"):
+            raise ValueError("batch_invariant: needs the C++ kernels and attention_backend='batched' (its "
+                             "fixed-order matmul and attention are C++ kernels)")
         if not isinstance(self.cpu_arch, str) or not self.cpu_arch:
             raise ValueError(f"cpu_arch: must be a -march name, got {self.cpu_arch!r}")
 

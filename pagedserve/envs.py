@@ -26,6 +26,8 @@ class Environment:
     gguf_gemv: bool  # PAGEDSERVE_NO_GGUF_GEMV=1 -> False
     decode_stack: bool  # PAGEDSERVE_NO_DECODE_STACK=1 -> False
     keep_dequantized_weights: bool  # PAGEDSERVE_KEEP_DEQUANTIZED=1 -> True
+    fixed_matmuls: bool | None  # PAGEDSERVE_FIXED_MATMULS=1 -> True, =0 -> False (unset: per CPU)
+    batch_invariant: bool  # PAGEDSERVE_BATCH_INVARIANT=1 (or vLLM's VLLM_BATCH_INVARIANT=1) -> True
     # elsewhere
     cache_dir: Path  # PAGEDSERVE_CACHE: converted tokenizers (default ~/.cache/pagedserve)
     api_key: str | None  # PAGEDSERVE_API_KEY: default of `serve --api-key`
@@ -43,6 +45,8 @@ def read_environment() -> Environment:
         gguf_gemv=not _flag("PAGEDSERVE_NO_GGUF_GEMV"),
         decode_stack=not _flag("PAGEDSERVE_NO_DECODE_STACK"),
         keep_dequantized_weights=_flag("PAGEDSERVE_KEEP_DEQUANTIZED"),
+        fixed_matmuls={"1": True, "0": False}.get(env.get("PAGEDSERVE_FIXED_MATMULS", "")),
+        batch_invariant=_flag("PAGEDSERVE_BATCH_INVARIANT") or _flag("VLLM_BATCH_INVARIANT"),
         cache_dir=Path(env.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"),
         api_key=env.get("PAGEDSERVE_API_KEY"),
         configure_logging=env.get("PAGEDSERVE_CONFIGURE_LOGGING", "1") != "0",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
-from pagedserve.attention.cpu import BatchedGatherBackend
+from pagedserve.attention.cpu import BatchedGatherBackend, BatchInvariantBackend
 from pagedserve.attention.torch_ref import TorchRefBackend
 
 if TYPE_CHECKING:
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchRefBackend.name: TorchRefBackend,
     BatchedGatherBackend.name: BatchedGatherBackend,
+    BatchInvariantBackend.name: BatchInvariantBackend,
 }
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_backend", "write_kv"]

@@ -1,7 +1,8 @@
 """The one owner of pagedserve's C++ CPU kernels.
 
 `CpuKernels.from_config(config)` builds (or loads) the extension once and says, in typed fields, what
-this engine may use: the fused elementwise ops and the paged decode attention (every build), the bf16
+this engine may use: the fused elementwise ops, the paged decode attention and the batch-invariant
+matmul (every build), the bf16
 GEMV (AVX512-BF16 builds), the GEMVs over GGUF blocks (AVX-512 builds) and DecodeStack, each also
 switched by the engine config. The model runner hands the one object to the model, the attention
 backend and the sampler; None means "no C++ at all" (pure PyTorch).
@@ -32,10 +33,13 @@ class CpuKernels:
     gguf_gemv: bool  # gemv_gguf / gemv_gguf_r16 over Q4_0/Q4_1/Q8_0 blocks (AVX-512, and enabled)
     gguf_block_types: frozenset[int]  # ggml type ids the GGUF GEMVs read (empty when gguf_gemv is off)
     decode_stack: bool  # DecodeStack: every layer of a few-sequence decode step in one call
+    # Every matmul on the fixed-order C++ matmul (batch-invariant by construction). Default: on CPUs
+    # without AVX-512, where it is also faster than the library GEMMs (benchmarks/README.md).
+    fixed_matmuls: bool = False
 
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
-              decode_stack: bool = True) -> CpuKernels | None:
+              decode_stack: bool = True, fixed_matmuls: bool | None = None) -> CpuKernels | None:
         ext = load_extension(arch)
         if ext is None:
             return None
@@ -48,6 +52,7 @@ class CpuKernels:
             gguf_gemv=gguf,
             gguf_block_types=frozenset(t for t, *_ in ext.gguf_block_layouts()) if gguf else frozenset(),
             decode_stack=decode_stack,
+            fixed_matmuls=(not ext.has_avx512()) if fixed_matmuls is None else fixed_matmuls,
         )
 
     @classmethod
@@ -57,7 +62,7 @@ class CpuKernels:
         if not config.use_cpp_kernels or config.attention_backend == "torch_ref" or config.device != "cpu":
             return None
         return cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
-                         decode_stack=config.decode_stack)
+                         decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls)
 
     def replace(self, **changes: Any) -> CpuKernels:
         """A copy with some capabilities switched off (tests and benchmarks compare paths this way)."""
@@ -82,3 +87,13 @@ class CpuKernels:
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale: float) -> None:
         self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale)
+
+    # ---- the batch-invariant matmul (csrc/fixed_gemm.cpp; every build) -----------------------------
+    def fixed_pack(self, weight):
+        """[N, K] float32/bf16 -> the packed layout fixed_linear reads ([ceil(N/16), K, 16])."""
+        return self.ext.fixed_pack(weight)
+
+    def fixed_linear(self, x, packed, n: int, bias, out_dtype):
+        """x @ w.T (+ bias) with one float32 FMA chain over k per output: a row's result is the same bits
+        whatever else is in the batch."""
+        return self.ext.fixed_linear(x, packed, n, bias, out_dtype)

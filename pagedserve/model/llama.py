@@ -96,8 +96,11 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.lm_head is not None:
+            self.lm_head.routes.float32_out = True  # float32 logits in every dtype
         # The tied LM head's matmul (the embedding's weight); an untied head is a Linear with its own.
         self.tied_head_routes = MatmulRoutes()
+        self.tied_head_routes.float32_out = True
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU, DecodeStack), handed over by the model
         # runner through set_kernels; None: plain PyTorch.
         self.kernels: CpuKernels | None = None
@@ -114,8 +117,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits of the rows in `logits_indices` (each sequence's last new token), or of every token, in
-        the model's dtype (the sampler upcasts when it needs to)."""
+        """Float32 logits (in every dtype: the head sums and returns float32) of the rows in
+        `logits_indices` (each sequence's last new token), or of every token."""
         # The window is a property of the model, not of the step: the runner need not know about it.
         meta.sliding_window = self.config.sliding_window
         x = self.embed_tokens(input_ids)
@@ -135,9 +138,9 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
-        if self.lm_head is not None:
-            return self.lm_head(x)
-        return self.tied_head_routes(x, self.embed_tokens.weight, None)
+        head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
+        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        return head(x, weight, None).float()  # float32 already on the CPU routes; .float() elsewhere
 
     def _decode_stack_applies(self, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
         return (
@@ -180,11 +183,14 @@ class LlamaForCausalLM(nn.Module):
             self._stack = None
 
     def setup_matmuls(self, kernels: CpuKernels | None, *, pack: bool, batch_hint: int,
-                      gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None) -> list[MatmulRoutes]:
+                      gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None,
+                      batch_invariant: bool = False) -> list[MatmulRoutes]:
         """Choose every matmul's routes (model/matmul.py): oneDNN pre-packing where `pack` and the CPU
-        has native bf16, the C++ bf16 GEMV and the GGUF-block GEMVs where `kernels` offer them. The GGUF
+        has native bf16, the C++ bf16 GEMV and the GGUF-block GEMVs where `kernels` offer them (and the
+        dtype lets every route use the same weight values); the LM head returns float32 logits. The GGUF
         blocks are those the loader kept, fused here like the weights (q/k/v, gate/up); a fused matmul
-        whose parts have different block types stays on the widened weights. Returns every route."""
+        whose parts have different block types stays on the widened weights. batch_invariant: every
+        matmul on the fixed-order C++ matmul. Returns every route."""
         blocks = {name.removeprefix("model."): v for name, v in (gguf_blocks or {}).items()}
 
         def fused(prefix: str, parts: list[str]):
@@ -193,22 +199,23 @@ class LlamaForCausalLM(nn.Module):
                 return None
             return found[0][0], torch.cat([f[1] for f in found]).contiguous()
 
-        matmuls: list[tuple[MatmulRoutes, torch.Tensor, tuple | None]] = []
+        matmuls: list[tuple[MatmulRoutes, torch.Tensor, tuple | None, bool]] = []
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             for m, prefix, parts in (
                 (attn.qkv_proj, "self_attn", ["q_proj", "k_proj", "v_proj"]), (attn.o_proj, "self_attn", ["o_proj"]),
                 (mlp.gate_up_proj, "mlp", ["gate_proj", "up_proj"]), (mlp.down_proj, "mlp", ["down_proj"]),
             ):
-                matmuls.append((m.routes, m.weight, fused(f"layers.{i}.{prefix}", parts)))
+                matmuls.append((m.routes, m.weight, fused(f"layers.{i}.{prefix}", parts), False))
         if self.lm_head is None:
-            matmuls.append((self.tied_head_routes, self.embed_tokens.weight, blocks.get("embed_tokens.weight")))
+            matmuls.append((self.tied_head_routes, self.embed_tokens.weight, blocks.get("embed_tokens.weight"), True))
         else:
-            matmuls.append((self.lm_head.routes, self.lm_head.weight, blocks.get("lm_head.weight")))
-        for routes, weight, qweight in matmuls:
-            routes.setup(weight, kernels, pack=pack, batch_hint=batch_hint, qweight=qweight)
+            matmuls.append((self.lm_head.routes, self.lm_head.weight, blocks.get("lm_head.weight"), True))
+        for routes, weight, qweight, head in matmuls:
+            routes.setup(weight, kernels, pack=pack, batch_hint=batch_hint, qweight=qweight, float32_out=head,
+                         batch_invariant=batch_invariant)
         self._stack = None
-        return [r for r, _, _ in matmuls]
+        return [r for r, _, _, _ in matmuls]
 
     # ---- weights -------------------------------------------------------------------------------
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

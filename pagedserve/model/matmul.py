@@ -4,8 +4,22 @@ A matmul of a few rows (a decode step of 1-4 sequences) is bound by reading the 
 of many rows is a GEMM bound by compute. So each weight gets two routes:
 
 * few rows (<= GEMV_MAX_ROWS): read the GGUF blocks the weight came from (C++ GEMV; exactly the float32
-  weights the reference dequantizes), else the C++ bf16 GEMV over the plain weight, else as many rows;
+  weights the reference dequantizes: float32 models only), else the C++ bf16 GEMV over the plain
+  weight, else as many rows;
 * many rows: oneDNN with the weight pre-packed once (bf16 on CPUs with native bf16), else `linear`.
+
+One effective weight per matrix, whatever the batch: every route of a weight multiplies by the same
+values. float32: the exact (dequantized) weights on every route. bfloat16: their bf16 rounding on every
+route, so the GGUF GEMVs (which widen blocks to the exact float32 weights) serve float32 models only.
+
+Two special cases:
+* the LM head returns float32 logits in every dtype (`float32_out`): a bf16 head runs the fixed-order
+  C++ matmul (bf16 weights, float32 sums and output), or float32 `F.linear` over a float32 copy of the
+  bf16 weights for many rows on AVX-512 CPUs (where MKL's float32 GEMM is the faster one);
+* the fixed-order C++ matmul (csrc/fixed_gemm.cpp: one FMA chain over k per output, so results do not
+  depend on the batch) runs every matmul in the strict mode (`batch_invariant`), and by default on CPUs
+  without AVX-512 (`CpuKernels.fixed_matmuls`), where it is faster than MKL's float32 GEMM and than
+  the emulated bf16 one.
 
 DecodeStack (csrc/decode_stack.cpp) runs the few-rows route it is handed (`MatmulRoutes.decode_spec`);
 C++ never chooses. The table of GGUF block layouts below is the Python half of csrc/gguf_layouts.h (a
@@ -57,13 +71,15 @@ BF16_EMULATED_MAX_ROWS = 16
 
 
 class Route(enum.IntEnum):
-    """The values are csrc/decode_stack.cpp's `Route` (checked by a test); PACKED is Python-only."""
+    """The values are csrc/decode_stack.cpp's `Route` (checked by a test); PACKED and LINEAR_F32 are Python-only."""
 
     LINEAR = 0
     BF16_GEMV = 1
     GGUF_ROWS = 2  # GGUF blocks in the file's row layout
     GGUF_R16 = 3  # GGUF blocks regrouped by 16 rows (one vector lane per output row)
     PACKED = 4  # oneDNN, weight pre-packed
+    FIXED = 5  # the batch-invariant C++ matmul (csrc/fixed_gemm.cpp) over its packed weight
+    LINEAR_F32 = 6  # F.linear in float32 over a float32 copy of a bf16 weight (a bf16 LM head, many rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,7 +172,8 @@ class GgufMatmul:
 
 class MatmulRoutes:
     """The routes of one weight's matmul (see the module docstring). Until `setup` runs, every matmul is
-    plain `linear`; the plain weight stays the source of truth (embedding lookup, fallbacks)."""
+    plain `linear` (a float32-out one upcasts its result); the plain weight stays the source of truth
+    (embedding lookup, fallbacks)."""
 
     def __init__(self) -> None:
         self.few_rows = Route.LINEAR
@@ -164,15 +181,43 @@ class MatmulRoutes:
         self.packed: torch.Tensor | None = None
         self.gemv = None  # the C++ bf16 GEMV function, on the BF16_GEMV route
         self.qgemv: GgufMatmul | None = None
+        self.kernels: CpuKernels | None = None  # for the FIXED route
+        self.fixed: torch.Tensor | None = None  # the weight packed for the FIXED route
+        self.weight_f32: torch.Tensor | None = None  # for the LINEAR_F32 route
+        self.float32_out = False
 
     def setup(self, weight: torch.Tensor, kernels: CpuKernels | None, *, pack: bool, batch_hint: int,
-              qweight: tuple[int, torch.Tensor] | None = None) -> None:
-        """Choose both routes. qweight: (ggml type id, uint8 blocks) the weight was dequantized from."""
+              qweight: tuple[int, torch.Tensor] | None = None, float32_out: bool = False,
+              batch_invariant: bool = False) -> None:
+        """Choose both routes. qweight: (ggml type id, uint8 blocks) the weight was dequantized from.
+        float32_out: return float32 whatever the weight's dtype (the LM head). batch_invariant: every
+        row count on the fixed-order matmul (needs `kernels`)."""
+        self.kernels, self.float32_out = kernels, float32_out
+        self.packed = self.fixed = self.weight_f32 = self.gemv = self.qgemv = None
+        bf16 = weight.dtype == torch.bfloat16
+        if batch_invariant and kernels is None:
+            raise ValueError("batch_invariant: needs the C++ kernels (they could not be built or are off)")
+        if batch_invariant or (kernels is not None and kernels.fixed_matmuls):
+            self.fixed = kernels.fixed_pack(weight.detach())
+            self.few_rows = self.many_rows = Route.FIXED
+            return
+        if float32_out and bf16:
+            # float32 logits from bf16 weights: float32 sums all the way, never a bf16 rounding.
+            if kernels is not None:
+                self.fixed = kernels.fixed_pack(weight.detach())
+            many_fixed = kernels is not None and not cpu_info().has_avx512
+            if not many_fixed:
+                self.weight_f32 = weight.detach().float()
+            self.few_rows = Route.FIXED if kernels is not None else Route.LINEAR_F32
+            self.many_rows = Route.FIXED if many_fixed else Route.LINEAR_F32
+            return
         self.packed = pack_weight(weight, batch_hint) if pack else None
         self.many_rows = Route.PACKED if self.packed is not None else Route.LINEAR
-        usable = qweight is not None and kernels is not None and qweight[0] in kernels.gguf_block_types
+        # The GGUF GEMVs compute with the exact float32 weights: only where every other route does too.
+        usable = (qweight is not None and kernels is not None and qweight[0] in kernels.gguf_block_types
+                  and weight.dtype == torch.float32)
         self.qgemv = GgufMatmul(kernels.ext, *qweight) if usable else None
-        bf16_cpu = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        bf16_cpu = bf16 and weight.device.type == "cpu"
         self.gemv = kernels.ext.gemv_bf16 if bf16_cpu and kernels is not None and kernels.bf16_gemv else None
         if self.qgemv is not None:
             self.few_rows = self.qgemv.route
@@ -183,18 +228,31 @@ class MatmulRoutes:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+        if route == Route.FIXED:
+            out_dtype = torch.float32 if self.float32_out else x.dtype
+            return self.kernels.fixed_linear(x, self.fixed, weight.shape[0], bias, out_dtype)
+        if route == Route.LINEAR_F32:
+            return F.linear(x.float(), self.weight_f32, None if bias is None else bias.float())
         if route == Route.LINEAR:
-            return linear(x, weight, bias)
-        if route == Route.PACKED:
-            return packed_linear(x, self.packed, bias)
-        if route == Route.BF16_GEMV:
-            return self.gemv(x, weight, bias)
-        return self.qgemv(x, bias)
+            y = linear(x, weight, bias)
+        elif route == Route.PACKED:
+            y = packed_linear(x, self.packed, bias)
+        elif route == Route.BF16_GEMV:
+            y = self.gemv(x, weight, bias)
+        else:
+            y = self.qgemv(x, bias)
+        # A float32 weight gives float32 sums and output already; setup never leaves a bf16 weight here
+        # with float32_out (only plain, never-set-up routes reach this with bf16 and upcast).
+        return y.float() if self.float32_out else y
 
     def decode_spec(self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None):
         """This matmul's few-rows route as DecodeStack's MatmulSpec (PACKED runs as LINEAR there: the
         packed matmul gives F.linear's numbers)."""
+        if self.few_rows in (Route.LINEAR_F32,) or self.float32_out:
+            raise ValueError("decode_spec: a float32-out matmul (the LM head) is not part of DecodeStack")
         route = Route.LINEAR if self.few_rows == Route.PACKED else self.few_rows
+        if route == Route.FIXED:
+            return kernels.ext.MatmulSpec(int(route), weight, bias, [self.fixed], 0)
         q = self.qgemv.tensors() if self.qgemv is not None else []
         qtype = self.qgemv.type_id if self.qgemv is not None else 0
         return kernels.ext.MatmulSpec(int(route), weight, bias, q, qtype)

@@ -4,6 +4,9 @@ Order (as vLLM): penalties → temperature → top-k / top-p / min-p → draw. G
 Random rows draw with the exponential-race trick (argmax p / E, E ~ Exp(1)), which is exactly a
 categorical draw; a request with a seed draws its E from its own generator, so its tokens do not
 depend on what else is in the batch.
+
+In the strict batch-invariant mode every reduction over the vocabulary (softmax, log-softmax, the
+top-p cumulative sum) runs row by row, so a row's numbers cannot depend on how many rows there are.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, kernels: CpuKernels | None = None) -> None:
+    def __init__(self, seed: int = 0, kernels: CpuKernels | None = None, batch_invariant: bool = False) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.kernels = kernels  # pagedserve's C++ CPU kernels (argmax_rows), or None
+        self.batch_invariant = batch_invariant
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [meta.num_rows, vocab] in the model's dtype (bf16 logits are upcast only if needed)."""
+        """logits: [meta.num_rows, vocab], float32 (the model's head returns float32 in every dtype)."""
         if self.kernels is not None and logits.device.type == "cpu" and meta.all_plain_greedy:
             # Greedy with nothing to adjust or report: argmax straight on the model's logits.
             return SamplerOutput(_in_vocab(self.kernels.argmax_rows(logits).tolist(), logits.shape[1]),
@@ -41,7 +45,7 @@ class Sampler:
         if meta.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
-            probs = self._filter(logits / meta.temperature, meta).softmax(dim=-1)
+            probs = self._softmax(self._filter(logits / meta.temperature, meta))
             drawn = self._draw(probs, meta.generators)
             tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
         token_list = _in_vocab(tokens.tolist(), logits.shape[1])
@@ -78,8 +82,7 @@ class Sampler:
         return logits
 
     # ---- top-k / top-p / min-p -------------------------------------------------------------------
-    @staticmethod
-    def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _filter(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         top_k, top_p, min_p = meta.top_k, meta.top_p, meta.min_p
         if top_k is not None and top_p is not None:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -87,17 +90,28 @@ class Sampler:
             keep = torch.ones_like(sorted_logits, dtype=torch.bool)
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
             keep &= torch.arange(vocab).unsqueeze(0) < k.unsqueeze(1)
-            probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+            probs = self._softmax(sorted_logits.masked_fill(~keep, float("-inf")))
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            mass_before = probs.cumsum(dim=-1) - probs
+            mass_before = self._rows(lambda r: r.cumsum(dim=-1), probs) - probs
             keep &= mass_before < top_p.unsqueeze(1)
             sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         if min_p is not None:
-            probs = logits.softmax(dim=-1)
+            probs = self._softmax(logits)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
+
+    # ---- reductions over the vocabulary ----------------------------------------------------------
+    def _rows(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """fn over the last dim of a [R, V] tensor: batched, or in the strict mode one row at a time (a
+        row's reduction order then cannot depend on R)."""
+        if not self.batch_invariant or x.shape[0] <= 1:
+            return fn(x)
+        return torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+
+    def _softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rows(lambda r: r.softmax(dim=-1), x)
 
     # ---- the draw --------------------------------------------------------------------------------
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -108,13 +122,12 @@ class Sampler:
         return (probs / q).argmax(dim=-1)
 
     # ---- logprobs --------------------------------------------------------------------------------
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]):
+    def _logprobs(self, raw: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]):
         rows = [i for i, n in enumerate(num_logprobs) if n is not None]
         result: list = [None] * len(num_logprobs)
         if not rows:
             return result
-        lp = raw[rows].log_softmax(dim=-1)
+        lp = self._rows(lambda r: r.log_softmax(dim=-1), raw[rows])
         k = max(num_logprobs[i] for i in rows)
         top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
         for j, i in enumerate(rows):
@@ -132,3 +145,4 @@ def _in_vocab(tokens: list[int], vocab: int) -> list[int]:
         if not 0 <= t < vocab:
             raise ValueError(f"sampler: row {row} gave token id {t}, outside [0, {vocab}) (non-finite logits?)")
     return tokens
+

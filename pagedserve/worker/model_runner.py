@@ -34,18 +34,30 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.backend = get_backend(config.attention_backend)
-        self.sampler = Sampler(config.seed)
+        # Strict batch invariance: every attention row through the fixed-order C++ kernel.
+        self.backend = get_backend("batch_invariant" if config.batch_invariant else config.attention_backend)
+        self.sampler = Sampler(config.seed, batch_invariant=config.batch_invariant)
         self.block_size = config.block_size
+        # Optional observer of every step's logits: f(request ids, float32 logits [rows, vocab]) (tests of
+        # batch invariance compare a request's logits across batches with it).
+        self.on_logits = None
         self.device = config.device
         self.set_kernels(CpuKernels.from_config(config))
+        if config.batch_invariant:
+            if self.kernels is None:
+                raise ValueError("batch_invariant: the C++ kernels could not be built here (see the warning "
+                                 "above); the strict mode needs them")
+            if model.config.sliding_window is not None:
+                raise ValueError("batch_invariant: sliding-window models are not supported in the strict mode")
         if config.device == "cpu":
             routes = model.setup_matmuls(self.kernels, pack=config.pack_weights, batch_hint=config.max_num_seqs,
-                                         gguf_blocks=gguf_blocks)
+                                         gguf_blocks=gguf_blocks, batch_invariant=config.batch_invariant)
             few = {r.few_rows for r in routes}
             if any(r.many_rows == Route.PACKED for r in routes):
                 logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)%s",
                             "; decode-sized matmuls use the C++ GEMV" if Route.BF16_GEMV in few else "")
+            if config.batch_invariant:
+                logger.info("batch-invariant mode: every matmul and attention row on the fixed-order C++ kernels")
             if few & {Route.GGUF_ROWS, Route.GGUF_R16}:
                 logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
 
@@ -99,6 +111,8 @@ class ModelRunner:
         """Run the step; the sampled tokens of the `sample_rows` (None when no row samples)."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         logits = self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices)
+        if self.on_logits is not None:
+            self.on_logits([out.scheduled[r].request_id for r in self.sample_rows(out)], logits)
         if sampling is None:
             return None
         return self.sampler(logits, sampling)

@@ -34,9 +34,11 @@ class PagedSequences:
         built = kernels or CpuKernels.build()
         assert built is not None, "the C++ kernels must build here"
         # "batched" and "fused" both attend through the C++ decode kernel; only "fused" gives the model
-        # the kernels too.
-        self.backend = get_backend("batched" if backend == "fused" else backend, built)
-        self.kernels = built if backend == "fused" else None
+        # the kernels too. "strict": the batch-invariant attention, with the kernels (the model's matmuls
+        # must be set up with batch_invariant=True by the test).
+        names = {"fused": "batched", "strict": "batch_invariant"}
+        self.backend = get_backend(names.get(backend, backend), built)
+        self.kernels = built if backend in ("fused", "strict") else None
         self.kv = allocate_kv_cache(lm.config, num_blocks, block_size, dtype)
         # Garbage in unused slots must never be read: fill the cache with large values first.
         for k, v in self.kv:
@@ -322,3 +324,47 @@ def test_decode_stack_equals_layer_by_layer_path(dtype, tmp_path):
     else:
         assert torch.allclose(stacked, layered, atol=0.05, rtol=0.02)
         assert torch.equal(stacked.argmax(-1), layered.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2"])
+def test_strict_mode_matches_transformers(arch, tmp_path):
+    """The batch-invariant mode (fixed-order matmuls, every attention row through the decode kernel) is
+    as exact as the other paths: float32 logits of a chunked prefill mixed with decodes match HF."""
+    hf = _build_hf(arch)
+    hf.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), "float32")
+    kernels = CpuKernels.build()
+    lm.model.setup_matmuls(kernels, pack=False, batch_hint=8, batch_invariant=True)
+    a, b = _prompts((23, 6), seed=12)
+    run = PagedSequences(lm, "strict", 2, seed=13, kernels=kernels)
+    run.step([a[:7], b])
+    b_next = int(_hf_logits(hf, b)[-1].argmax())
+    logits = run.step([a[7:], [b_next]], all_logits=True)
+    ref = torch.cat([_hf_logits(hf, a)[7:], _hf_logits(hf, b + [b_next])[-1:]])
+    assert logits.dtype == torch.float32 and ref.abs().max() > 0.5
+    assert (logits - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_strict_mode_decode_stack_and_layer_path_are_bit_identical(dtype, tmp_path):
+    """In the strict mode a few-sequence decode step gives the same bits through DecodeStack (its
+    FIXED matmul route) as layer by layer, in bf16 too, and a sequence's logits do not change when
+    another sequence joins its steps."""
+    hf = _build_hf("llama-bias")
+    hf.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype)
+    kernels = CpuKernels.build()
+    lm.model.setup_matmuls(kernels, pack=True, batch_hint=8, batch_invariant=True)
+    prompts = _prompts((6, 13, 2), seed=14)
+    runs = []
+    for use_stack, n in ((True, 3), (False, 3), (True, 1)):
+        run = PagedSequences(lm, "strict", n, dtype=dtype, seed=15, kernels=kernels.replace(decode_stack=use_stack))
+        steps = [run.step(prompts[:n])]
+        for _ in range(5):
+            steps.append(run.step([[t] for t in steps[-1].argmax(-1).tolist()]))
+        runs.append(torch.stack(steps))
+        assert (lm.model._stack is not None) == use_stack
+    stacked, layered, alone = runs
+    assert stacked.dtype == torch.float32
+    assert torch.equal(stacked, layered)
+    assert torch.equal(stacked[:, :1], alone)

@@ -11,6 +11,7 @@ void bind_decode_stack(pybind11::module& m);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   pagedserve::bind_decode_stack(m);
   m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
         "decode attention over a paged KV cache, written into out's rows");
@@ -25,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_gguf", &pagedserve::gemv_gguf, "x @ w.T (+ bias) for 1-4 rows, w read from GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("gemv_gguf_r16", &pagedserve::gemv_gguf_r16,
         "x @ w.T (+ bias) for 1-4 rows, w in GGUF blocks regrouped by 16 rows (model/matmul.py: repack_gguf)");
+  m.def("fixed_pack", &pagedserve::fixed_pack, "pack [N, K] for fixed_linear: [ceil(N/16), K, 16]");
+  m.def("fixed_linear", &pagedserve::fixed_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
+        py::arg("out_dtype"), "batch-invariant x @ w.T (+ bias): one FMA chain over k per output");
   m.def("gguf_block_layouts", []() {
     // (type id, name, block bytes, quant offset, quant bytes, min offset): the C++ side of the table in
     // pagedserve/model/matmul.py.

@@ -16,10 +16,11 @@ namespace pagedserve {
 
 // How a matmul of a few rows runs. The values are pagedserve/model/matmul.py's Route (a test checks them
 // through the `matmul_routes` binding).
-enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3 };
+enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3, kFixed = 5 };
 
 // One matmul: its route, the plain weight and bias, and for the GGUF routes the block tensors
-// ([blocks] in GGUF's row layout, or [qs, scales, mins] regrouped by 16 rows; mins empty unless Q4_1).
+// ([blocks] in GGUF's row layout, or [qs, scales, mins] regrouped by 16 rows; mins empty unless Q4_1),
+// for the batch-invariant route the weight packed by fixed_pack ([packed]; output in x's dtype).
 struct MatmulSpec {
   int64_t route;
   torch::Tensor weight;
@@ -34,6 +35,7 @@ struct MatmulSpec {
                              qtype, bias);
       case kGgufRows: return gemv_gguf(x, q[0], qtype, bias);
       case kBf16Gemv: return gemv_bf16(x, weight, bias);
+      case kFixed: return fixed_linear(x, q[0], weight.size(0), bias, x.scalar_type());
       default: return at::linear(x, weight, bias);
     }
   }
@@ -53,8 +55,9 @@ class DecodeStack {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     for (const auto& l : layers_) {
       for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-        const size_t need = m->route == kGgufR16 ? 3 : (m->route == kGgufRows ? 1 : 0);
-        TORCH_CHECK(m->route >= kLinear && m->route <= kGgufR16 && m->q.size() == need,
+        const size_t need = m->route == kGgufR16 ? 3 : ((m->route == kGgufRows || m->route == kFixed) ? 1 : 0);
+        const bool known = (m->route >= kLinear && m->route <= kGgufR16) || m->route == kFixed;
+        TORCH_CHECK(known && m->q.size() == need,
                     "DecodeStack: matmul route ", m->route, " with ", m->q.size(), " block tensors");
       }
     }
@@ -106,7 +109,7 @@ void bind_decode_stack(pybind11::module& m) {
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("matmul_routes", []() {
     return std::vector<std::pair<std::string, int64_t>>{
-        {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16}};
+        {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16}, {"fixed", kFixed}};
   });
 }
 

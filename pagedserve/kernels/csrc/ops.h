@@ -18,4 +18,7 @@ bool has_gguf_gemv();
 torch::Tensor gemv_gguf(torch::Tensor x, torch::Tensor blocks, int64_t type, c10::optional<torch::Tensor> bias);
 torch::Tensor gemv_gguf_r16(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                             int64_t type, c10::optional<torch::Tensor> bias);
+torch::Tensor fixed_pack(torch::Tensor w);
+torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
+                           c10::ScalarType out_dtype);
 }  // namespace pagedserve
