@@ -50,6 +50,9 @@ class AttentionBackend:
     them already) and returns attention output [T, H, D]. q's rows may be strided (a view of qkv)."""
 
     name = "base"
+    # Every query row's attention is computed by the strict mode's row kernel (paged_attention_rows), so a
+    # fused whole-model kernel (DecodeStack) must use that kernel too.
+    row_invariant = False
 
     def __init__(self, kernels: CpuKernels | None = None) -> None:
         self.kernels = kernels

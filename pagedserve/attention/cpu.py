@@ -108,33 +108,26 @@ class BatchedGatherBackend(AttentionBackend):
 
 class BatchInvariantBackend(BatchedGatherBackend):
     """Strict batch invariance (`EngineConfig.batch_invariant`): every query row, prefill or decode, runs
-    the C++ paged decode kernel as a sequence of its own (its block table, context = its position + 1).
+    the C++ row kernel (`paged_attention_rows`, csrc/attention.cpp) over its own context (its position + 1
+    keys, read through the block table in block order, an exact float32 softmax).
 
-    That kernel computes one (row, head) with a fixed order over the keys (block by block, a full
-    softmax in float32), so a row's output does not depend on the other rows of the step, on how its
-    prompt was chunked, or on whether its prefix came from the cache (K/V are read from the cache,
-    where this step's were written first). Needs the kernels; no sliding window (the kernel has none)."""
+    A row's arithmetic depends on nothing but its own context, so its output does not depend on the other
+    rows of the step, on how its prompt was chunked, or on whether its prefix came from the cache (K/V
+    are read from the cache, where this step's were written first). Rows of one prompt share the K/V
+    reads in tiles. Needs the kernels; no sliding window."""
 
     name = "batch_invariant"
+    row_invariant = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if self.kernels is None:
             raise ValueError("batch_invariant: the attention needs the C++ kernels")
         if meta.sliding_window is not None:
             raise ValueError("batch_invariant: sliding-window attention is not supported in the strict mode")
-        q_lens = torch.tensor(meta.query_lens, dtype=torch.long, device=meta.seq_lens.device)
-        seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs, device=q_lens.device), q_lens)
-        # Row j of sequence i sits at position seq_len - q_len + j: it sees that many keys plus itself.
-        first_pos = (meta.seq_lens - q_lens)[seq_of_row]
-        j = torch.arange(seq_of_row.numel(), device=q_lens.device) - meta.query_start_loc[:-1][seq_of_row]
-        meta.prepared["rows"] = (meta.block_tables[seq_of_row].contiguous(), first_pos + j + 1)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if k is not None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if "rows" not in meta.prepared:
-            self.prepare(meta)
-        tables, ctx = meta.prepared["rows"]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, _NO_ROWS, out, scale)
-        return out
+        self.prepare(meta)
+        return self.kernels.paged_attention_rows(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                 meta.query_start_loc, scale)

@@ -88,6 +88,10 @@ class CpuKernels:
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale: float) -> None:
         self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale)
 
+    def paged_attention_rows(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float):
+        """The strict mode's attention: every query row over its own context in a per-row fixed order."""
+        return self.ext.paged_attention_rows(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
     # ---- the batch-invariant matmul (csrc/fixed_gemm.cpp; every build) -----------------------------
     def fixed_pack(self, weight):
         """[N, K] float32/bf16 -> the packed layout fixed_linear reads ([ceil(N/16), K, 16])."""

@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU, DecodeStack), handed over by the model
         # runner through set_kernels; None: plain PyTorch.
         self.kernels: CpuKernels | None = None
-        self._stack = None  # (kv_caches, C++ DecodeStack) for few-sequence decode steps
+        self._stack = None  # (kv_caches, C++ DecodeStack, strict attention) for few-sequence decode steps
         positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
 
@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         kernels = self.kernels if x.device.type == "cpu" else None
         if self._decode_stack_applies(backend, meta):
             # A few decoding sequences: every layer in one C++ call (same kernels, same order).
-            x = self._decode_stack(kv_caches).forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
+            x = self._decode_stack(kv_caches, backend.row_invariant).forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
                                                       meta.seq_lens)
         else:
             backend.prepare(meta)  # once per step, for every layer (the stack needs none of it)
@@ -150,9 +150,10 @@ class LlamaForCausalLM(nn.Module):
             and backend.runs_decode_kernel(meta)
         )
 
-    def _decode_stack(self, kv_caches: KVCache):
-        """The C++ DecodeStack over these weights and these caches, built once per cache list."""
-        if self._stack is None or self._stack[0] is not kv_caches:
+    def _decode_stack(self, kv_caches: KVCache, strict_attention: bool):
+        """The C++ DecodeStack over these weights and these caches (and the strict mode's attention when
+        the backend runs it), built once per cache list."""
+        if self._stack is None or self._stack[0] is not kv_caches or self._stack[2] != strict_attention:
             ext = self.kernels.ext
 
             def spec(m: Linear):
@@ -168,8 +169,8 @@ class LlamaForCausalLM(nn.Module):
             ]
             cfg = self.config
             stack = ext.DecodeStack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps,
-                                    self.layers[0].self_attn.scale)
-            self._stack = (kv_caches, stack)
+                                    self.layers[0].self_attn.scale, strict_attention)
+            self._stack = (kv_caches, stack, strict_attention)
         return self._stack[1]
 
     def matmul_routes(self) -> list[MatmulRoutes]:

@@ -12,8 +12,9 @@ from pagedserve.attention import AttentionBackend, AttentionMetadata, get_backen
 from pagedserve.attention.cpu import BatchedGatherBackend
 from pagedserve.kernels import CpuKernels
 
-# "batched" sends decodes to the C++ kernel when it builds; "batched-gather" is its pure-PyTorch path.
-FAST_BACKENDS = ("batched", "batched-gather")
+# "batched" sends decodes to the C++ kernel when it builds; "batched-gather" is its pure-PyTorch path;
+# "batch_invariant" (the strict mode) runs every row through the C++ row kernel (no sliding window).
+FAST_BACKENDS = ("batched", "batched-gather", "batch_invariant")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -117,6 +118,8 @@ def test_backend_matches_reference(backend, dtype, mix, heads, kv_heads, head_di
     # trial 0: full causal attention; 1 and 2: a sliding window (1 = only the token itself); 2 and 3 share
     # prefix blocks between sequences.
     for trial, window in enumerate([None, 1, 7, None]):
+        if backend == "batch_invariant" and window is not None:
+            continue
         rng = random.Random(f"{mix}-{heads}-{block_size}-{trial}")
         kinds = list(MIXES[mix])
         rng.shuffle(kinds)
@@ -162,3 +165,46 @@ def test_reference_against_dense_attention():
 def test_unknown_backend():
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         get_backend("nope")
+
+
+def _one_sequence(meta: AttentionMetadata, b: int, lo: int, hi: int) -> AttentionMetadata:
+    """Metadata of query rows [lo, hi) of sequence b alone (its earlier rows already in the cache)."""
+    start = int(meta.query_start_loc[b])
+    ql = meta.query_lens[b]
+    seq_len = meta.seq_lens_host[b] - ql + hi
+    return AttentionMetadata(meta.slot_mapping[start + lo : start + hi], meta.block_tables[b : b + 1].clone(),
+                             torch.tensor([seq_len]), torch.tensor([0, hi - lo]), [hi - lo], [seq_len],
+                             meta.block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (12, 1, 80, 4)])
+def test_batch_invariant_rows_are_the_same_bits_alone_and_in_chunks(dtype, heads, kv_heads, head_dim, block_size):
+    """The strict mode's attention: a row's output is bit-identical whether its sequence runs in a mixed
+    batch, alone, or with its new rows split into two chunks (both the tiled kernel, head_dim % 16 == 0,
+    and the generic one)."""
+    rng = random.Random(f"bi-{head_dim}")
+    kinds = ["decode", "chunk", "prefill", "decode", "chunk", "prefill"]
+    meta, T = random_batch(rng, kinds, block_size, 96, share_prefix=True)
+    g = torch.Generator().manual_seed(7)
+    shape = (96, block_size, kv_heads, head_dim)
+    k_cache0 = torch.randn(shape, generator=g).to(dtype)
+    v_cache0 = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(T, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
+    be = make_backend("batch_invariant")
+    kc, vc = k_cache0.clone(), v_cache0.clone()
+    full = be.forward(q, k, v, kc, vc, _fresh_meta(meta), head_dim**-0.5)
+    for b, ql in enumerate(meta.query_lens):
+        start = int(meta.query_start_loc[b])
+        for cut in sorted({ql, max(1, ql // 2)}):  # whole, then in two chunks
+            kc, vc = k_cache0.clone(), v_cache0.clone()
+            parts = []
+            for lo, hi in ((0, cut), (cut, ql)):
+                if lo == hi:
+                    continue
+                rows = slice(start + lo, start + hi)
+                parts.append(be.forward(q[rows], k[rows], v[rows], kc, vc, _one_sequence(meta, b, lo, hi),
+                                        head_dim**-0.5))
+            assert torch.equal(torch.cat(parts), full[start : start + ql]), (b, cut)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common.h"
+#include "fixed_tile.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -130,6 +131,176 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
 }
 
 }  // namespace legacy
+}  // namespace pagedserve
+
+
+namespace pagedserve {
+namespace strict {
+
+// The strict mode's attention (batch_invariant): every query row, prefill or decode, attends over its
+// own context (its position + 1 keys) with an order that depends on nothing else: for each key, the
+// GQA group's dots (8-lane FMA chains over d, then one fixed horizontal sum), an exact float32 softmax
+// over the row's scores, then the V rows accumulated key by key. Rows of one sequence are processed in
+// tiles that share each K/V row they read (a prompt's rows read the same keys), but each row's
+// arithmetic is the same whatever tile it is in, so a row's output is the same bits alone, in a batch,
+// in any chunk of its prompt, or recomputed after a preemption.
+constexpr int64_t kRowTile = 8;
+constexpr int64_t kAlignFloats = 16;  // score rows start 64-byte aligned: the same code path for every row
+
+inline float* align64(std::vector<float>& buf, size_t n) {
+  buf.resize(n + kAlignFloats);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
+// The tiled version for head_dim % 16 == 0: both matmuls of attention run fixed::tile, so each score is
+// one FMA chain over d and each output element one FMA chain over the keys in order (the tile's rows
+// share every K/V load). Keys a row does not see are never part of its chains: the keys every row of the
+// tile sees go through tiles, each row's few extra keys through axpy_step (the same FMA step).
+constexpr int64_t kTileRows = 12;
+
+template <typename S>
+void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const int64_t* block_tables,
+                       const int64_t* seq_lens, const int64_t* qsl, float* out, int64_t B, int64_t H, int64_t KVH,
+                       int64_t D, int64_t BS, int64_t W, float scale) {
+  using fixed::kMR;
+  using fixed::kNR;
+  const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row;
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = qsl[b]; r < qsl[b + 1]; r += kTileRows) items.emplace_back(b, r);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sbuf, qbuf, kbuf, abuf, tbuf;
+    for (int64_t it = begin; it < end; ++it) {
+      const auto [b, r0] = items[it];
+      const int64_t R = std::min(qsl[b + 1], r0 + kTileRows) - r0, M = R * group;
+      const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);
+      const int64_t S_min = first + 1, S_max = first + R;  // row i sees first + i + 1 keys
+      const int64_t stride = (S_max + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
+      const int64_t* table = block_tables + b * W;
+      // Scores of query vector m = i * group + g of kv head kvh: row (kvh * M + m) of sc.
+      float* sc = align64(sbuf, KVH * M * stride);
+      float* qv = align64(qbuf, M * D);
+      float* kT = align64(kbuf, D * kNR);
+      float* acc = align64(abuf, KVH * M * D);
+      float* tmp = align64(tbuf, kMR * kNR);
+      std::fill(acc, acc + KVH * M * D, 0.f);
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+        for (int64_t i = 0; i < R; ++i)
+          std::copy(q + ((r0 + i) * H + kvh * group) * D, q + ((r0 + i) * H + kvh * group + group) * D, qv + i * group * D);
+        float* skv = sc + kvh * M * stride;
+        // Scores: kT = the next (up to) 16 keys transposed, [D][16]; every query vector times them.
+        for (int64_t j0 = 0; j0 < S_max; j0 += kNR) {
+          const int64_t n = std::min(kNR, S_max - j0);
+          for (int64_t t = 0; t < kNR; ++t) {
+            const int64_t j = j0 + t;
+            if (t < n) {
+              const S* krow = k_cache + table[j / BS] * block_stride + (j % BS) * row + kvh * D;
+              for (int64_t d = 0; d < D; ++d) kT[d * kNR + t] = Elem<S>::load(krow[d]);
+            } else {
+              for (int64_t d = 0; d < D; ++d) kT[d * kNR + t] = 0.f;
+            }
+          }
+          for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+            const int64_t Rm = std::min(kMR, M - m0);
+            fixed::tile_rows(Rm, qv + m0 * D, D, kT, kNR, D, tmp, kNR, false);
+            for (int64_t m = 0; m < Rm; ++m)
+              for (int64_t t = 0; t < n; ++t) skv[(m0 + m) * stride + j0 + t] = tmp[m * kNR + t] * scale;
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) softmax_inplace(skv + m * stride, first + m / group + 1);
+        // Outputs: keys [0, S_min) (seen by every row) in tiles over each block's V rows, block by block.
+        float* akv = acc + kvh * M * D;
+        for (int64_t j0 = 0; j0 < S_min; j0 += BS) {
+          const int64_t n = std::min(BS, S_min - j0);
+          const S* vblk = v_cache + table[j0 / BS] * block_stride + kvh * D;
+          for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+            const int64_t Rm = std::min(kMR, M - m0);
+            for (int64_t d0 = 0; d0 < D; d0 += kNR)
+              fixed::tile_rows(Rm, skv + m0 * stride + j0, stride, vblk + d0, row, n, akv + m0 * D + d0, D, true);
+          }
+        }
+        // Each row's keys past S_min (row i has i of them), one FMA step each, in key order.
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t ctx = first + m / group + 1;
+          for (int64_t j = S_min; j < ctx; ++j) {
+            const S* vrow = v_cache + table[j / BS] * block_stride + (j % BS) * row + kvh * D;
+            fixed::axpy_step(skv[m * stride + j], vrow, akv + m * D, D);
+          }
+        }
+        for (int64_t i = 0; i < R; ++i)
+          std::copy(akv + i * group * D, akv + (i + 1) * group * D, out + ((r0 + i) * H + kvh * group) * D);
+      }
+    }
+  });
+}
+
+template <typename T>
+void rows_kernel(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                 const int64_t* seq_lens, const int64_t* qsl, float* out, int64_t B, int64_t H, int64_t KVH,
+                 int64_t D, int64_t BS, int64_t W, float scale) {
+  const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row;
+  // Work items: (sequence, tile of up to kRowTile consecutive query rows).
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = qsl[b]; r < qsl[b + 1]; r += kRowTile) items.emplace_back(b, r);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t it = begin; it < end; ++it) {
+      const auto [b, r0] = items[it];
+      const int64_t r1 = std::min(qsl[b + 1], r0 + kRowTile), R = r1 - r0;
+      const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]);  // context before this step's rows
+      const int64_t S_max = first + (r1 - qsl[b]);                // the tile's last row sees this many
+      const int64_t stride = (S_max + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
+      buf.resize(R * H * stride + kAlignFloats);
+      float* scores = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+      const int64_t* table = block_tables + b * W;
+      auto ctx = [&](int64_t i) { return first + (r0 - qsl[b]) + i + 1; };  // keys row r0 + i sees
+      for (int64_t j0 = 0; j0 < S_max; j0 += BS) {
+        const T* base = k_cache + table[j0 / BS] * block_stride;
+        const int64_t n = std::min(BS, S_max - j0);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t i = 0; i < R; ++i) {
+            if (j0 + t >= ctx(i)) continue;
+            const float* qr = q + (r0 + i) * H * D;
+            for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+              legacy::group_dots(qr + kvh * group * D, base + t * row + kvh * D, group, D, scale,
+                                 scores + (i * H + kvh * group) * stride + j0 + t, stride);
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < R; ++i)
+        for (int64_t h = 0; h < H; ++h) softmax_inplace(scores + (i * H + h) * stride, ctx(i));
+      float* o = out + r0 * H * D;
+      std::fill(o, o + R * H * D, 0.f);
+      for (int64_t j0 = 0; j0 < S_max; j0 += BS) {
+        const T* base = v_cache + table[j0 / BS] * block_stride;
+        const int64_t n = std::min(BS, S_max - j0);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t i = 0; i < R; ++i) {
+            if (j0 + t >= ctx(i)) continue;
+            for (int64_t h = 0; h < H; ++h) {
+              const T* vrow = base + t * row + (h / group) * D;
+              const float p = scores[(i * H + h) * stride + j0 + t];
+              float* a = o + (i * H + h) * D;
+#ifdef __AVX2__
+              if (D % 8 == 0) {
+                const __m256 pv = _mm256_set1_ps(p);
+                for (int64_t d = 0; d < D; d += 8)
+                  _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pv, legacy::load8(vrow + d), _mm256_loadu_ps(a + d)));
+                continue;
+              }
+#endif
+              for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, legacy::to_f(vrow[d]), a[d]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace strict
 }  // namespace pagedserve
 
 namespace pagedserve {
@@ -312,6 +483,61 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   } else {
     out.copy_(res);
   }
+}
+
+}  // namespace pagedserve
+
+namespace pagedserve {
+
+// The strict mode's attention (see strict::rows_kernel). q: [T, H, D] (float32 or bf16, heads
+// contiguous), caches as paged_decode_attention's, block_tables [B, W], seq_lens [B] (context after this
+// step), query_start_loc [B + 1] (sequence b's rows are q[qsl[b]:qsl[b+1]]). Returns [T, H, D] in q's dtype.
+torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                                   double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention_rows: q must be [T, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention_rows: caches must be contiguous [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous() &&
+                  query_start_loc.scalar_type() == torch::kInt64 && query_start_loc.is_contiguous(),
+              "paged_attention_rows: block_tables, seq_lens and query_start_loc must be contiguous int64");
+  const int64_t B = block_tables.size(0), W = block_tables.size(1), T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_attention_rows: head shapes do not match");
+  TORCH_CHECK(seq_lens.numel() == B && query_start_loc.numel() == B + 1, "paged_attention_rows: one entry per sequence");
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "paged_attention_rows: query_start_loc must run from 0 to T");
+  for (int64_t b = 0; b < B; ++b) {  // a bad table must raise, never read outside the cache
+    const int64_t ql = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(ql >= 1 && sl[b] >= ql && sl[b] <= W * BS, "paged_attention_rows: bad lengths for sequence ", b);
+    for (int64_t j = 0; j < (sl[b] + BS - 1) / BS; ++j) {
+      const int64_t id = bt[b * W + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention_rows: block id ", id, " is outside the cache");
+    }
+  }
+  auto qf = q.to(torch::kFloat32).contiguous();
+  auto res = torch::empty({T, H, D}, qf.options());
+  const float sc = static_cast<float>(scale);
+  if (D % 16 == 0) {
+    dispatch_float_bf16(k_cache, "paged_attention_rows", [&]<typename S>() {
+      strict::rows_kernel_tiled<S>(qf.data_ptr<float>(), ptr<S>(k_cache), ptr<S>(v_cache), bt, sl, qsl,
+                                   res.data_ptr<float>(), B, H, KVH, D, BS, W, sc);
+    });
+  } else if (k_cache.scalar_type() == torch::kFloat32) {
+    strict::rows_kernel<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, sl, qsl,
+                               res.data_ptr<float>(), B, H, KVH, D, BS, W, sc);
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    strict::rows_kernel<c10::BFloat16>(qf.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
+                                       v_cache.data_ptr<c10::BFloat16>(), bt, sl, qsl, res.data_ptr<float>(), B, H,
+                                       KVH, D, BS, W, sc);
+  } else {
+    TORCH_CHECK(false, "paged_attention_rows: cache dtype must be float32 or bfloat16");
+  }
+  return q.scalar_type() == torch::kFloat32 ? res : res.to(q.scalar_type());
 }
 
 }  // namespace pagedserve

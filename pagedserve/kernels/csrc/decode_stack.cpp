@@ -50,8 +50,11 @@ struct DecodeLayer {
 
 class DecodeStack {
  public:
-  DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int64_t num_kv_heads, double eps, double scale)
-      : layers_(std::move(layers)), H_(num_heads), KVH_(num_kv_heads), eps_(eps), scale_(scale) {
+  // strict_attention: the strict mode's attention (paged_attention_rows), as the model's backend runs it.
+  DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+              bool strict_attention)
+      : layers_(std::move(layers)), H_(num_heads), KVH_(num_kv_heads), eps_(eps), scale_(scale),
+        strict_attention_(strict_attention) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     for (const auto& l : layers_) {
       for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
@@ -69,6 +72,7 @@ class DecodeStack {
                         torch::Tensor block_tables, torch::Tensor seq_lens) {
     const int64_t B = x.size(0), D = layers_[0].k_cache.size(3), q_size = H_ * D;
     static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
+    const torch::Tensor qsl = strict_attention_ ? torch::arange(B + 1, torch::kInt64) : no_rows;
     torch::Tensor residual = x;
     torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_);
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -77,8 +81,13 @@ class DecodeStack {
       torch::Tensor qkv = l.qkv(h);
       rotary_write_kv(qkv, cos, sin, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D});
-      torch::Tensor attn = torch::empty({B, H_, D}, qkv.options());
-      paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_);
+      torch::Tensor attn;
+      if (strict_attention_) {
+        attn = paged_attention_rows(q, l.k_cache, l.v_cache, block_tables, seq_lens, qsl, scale_);
+      } else {
+        attn = torch::empty({B, H_, D}, qkv.options());
+        paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_);
+      }
       h = l.o(attn.view({B, q_size}));
       fused_add_rms_norm(h, residual, l.ln2, eps_);
       h = l.down(silu_and_mul(l.gate_up(h)));
@@ -90,6 +99,7 @@ class DecodeStack {
   std::vector<DecodeLayer> layers_;
   int64_t H_, KVH_;
   double eps_, scale_;
+  bool strict_attention_;
 };
 
 void bind_decode_stack(pybind11::module& m) {
@@ -104,8 +114,9 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("ln1"), py::arg("ln2"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("k_cache"), py::arg("v_cache"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
-      .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double>(), py::arg("layers"),
-           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"))
+      .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double, bool>(), py::arg("layers"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"),
+           py::arg("strict_attention") = false)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("matmul_routes", []() {
     return std::vector<std::pair<std::string, int64_t>>{

@@ -1,0 +1,34 @@
+"""Summarise benchmarks/batch_invariance/*.json (written by run.sh) into summary.json and a table."""
+
+import json
+import platform
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+METRIC = {"W1": "output_tokens_per_s", "W2": "decode_tokens_per_s", "W3": "prompt_tokens_per_s"}
+
+
+def value(w: str, d: dict) -> float:
+    return d[METRIC[w]]
+
+
+def main() -> None:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    rows = {}
+    for f in sorted(HERE.glob("W*_*_*.json")):
+        w, mode, rnd = f.stem.split("_")
+        rows.setdefault(w, {}).setdefault(mode, []).append(round(value(w, json.loads(f.read_text())), 1))
+    summary = {"cpu": cpu, "metric": METRIC, "results": rows}
+    for w, modes in rows.items():
+        base = sum(modes["default"]) / len(modes["default"])
+        summary.setdefault("strict_vs_default", {})[w] = round(sum(modes["strict"]) / len(modes["strict"]) / base, 3)
+        if "library" in modes:
+            summary.setdefault("default_vs_library", {})[w] = round(
+                base / (sum(modes["library"]) / len(modes["library"])), 3)
+    (HERE / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
