@@ -202,7 +202,7 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
           }
           for (int64_t m0 = 0; m0 < M; m0 += kMR) {
             const int64_t Rm = std::min(kMR, M - m0);
-            fixed::tile_rows(Rm, qv + m0 * D, D, kT, kNR, D, tmp, kNR, false);
+            fixed::tile_rows<float, kNR, false>(Rm, qv + m0 * D, D, kT, kNR, D, tmp, kNR);
             for (int64_t m = 0; m < Rm; ++m)
               for (int64_t t = 0; t < n; ++t) skv[(m0 + m) * stride + j0 + t] = tmp[m * kNR + t] * scale;
           }
@@ -216,7 +216,7 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
           for (int64_t m0 = 0; m0 < M; m0 += kMR) {
             const int64_t Rm = std::min(kMR, M - m0);
             for (int64_t d0 = 0; d0 < D; d0 += kNR)
-              fixed::tile_rows(Rm, skv + m0 * stride + j0, stride, vblk + d0, row, n, akv + m0 * D + d0, D, true);
+              fixed::tile_rows<S, 0, true>(Rm, skv + m0 * stride + j0, stride, vblk + d0, row, n, akv + m0 * D + d0, D);
           }
         }
         // Each row's keys past S_min (row i has i of them), one FMA step each, in key order.

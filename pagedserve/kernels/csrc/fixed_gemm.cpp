@@ -6,22 +6,77 @@
 // for one row, split K for some shapes) change with M.
 //
 // Layout: the weight is packed once ([ceil(N / 16), K, 16], zero-padded columns, float32 or bf16 kept as
-// it is) so that 16 output columns are two AVX2 vectors and a register tile (fixed_tile.h) is 6 rows x
-// 16 columns (12 accumulators). Rows left over (M % 6) run the same tile with fewer rows: each output's
-// chain is the same sequence of FMAs, so identical bits. Threads split the column panels; an output is
-// computed by one thread from k = 0 to K-1.
+// it is) so that 16 output columns are two AVX2 vectors and a register tile is 6 rows x 16 columns
+// (12 accumulators). Rows left over (M % 6) run the same tile with fewer rows: each output's chain is
+// the same sequence of FMAs, so identical bits. Threads split the column panels; an output is computed
+// by one thread from k = 0 to K-1. The FMAs are AVX2 intrinsics (opaque to -ffast-math's
+// reassociation); without AVX2/FMA, std::fma gives the same correctly rounded steps.
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <vector>
 
-#include "fixed_tile.h"
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDSERVE_FIXED_AVX2 1
+#endif
 
 namespace pagedserve {
 namespace {
 
-using fixed::kMR;
-using fixed::kNR;
+constexpr int64_t kNR = 16;  // output columns per packed panel
+constexpr int64_t kMR = 6;   // rows per register tile
 constexpr int64_t kMB = 48;  // rows per cache block (x rows reused across every panel of a thread)
+
+#ifdef PAGEDSERVE_FIXED_AVX2
+inline __m256 wload8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 wload8(const uint16_t* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// acc[r * 16 + j] = chain over k of x[r, k] * panel[k, j] for R rows of x (float32, row stride xs).
+template <int R, typename WT>
+inline void tile(const float* x, int64_t xs, const WT* panel, int64_t K, float* acc) {
+#ifdef PAGEDSERVE_FIXED_AVX2
+  __m256 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = wload8(panel + k * kNR), w1 = wload8(panel + k * kNR + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * xs + k);
+      c0[r] = _mm256_fmadd_ps(a, w0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, w1, c1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * kNR, c0[r]);
+    _mm256_storeu_ps(acc + r * kNR + 8, c1[r]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < kNR; ++j) acc[r * kNR + j] = 0.f;
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < kNR; ++j)
+        acc[r * kNR + j] = std::fma(x[r * xs + k], Elem<WT>::load(panel[k * kNR + j]), acc[r * kNR + j]);
+#endif
+}
+
+template <typename WT>
+inline void tile_rows(int64_t R, const float* x, int64_t xs, const WT* panel, int64_t K, float* acc) {
+  switch (R) {
+    case 1: tile<1>(x, xs, panel, K, acc); break;
+    case 2: tile<2>(x, xs, panel, K, acc); break;
+    case 3: tile<3>(x, xs, panel, K, acc); break;
+    case 4: tile<4>(x, xs, panel, K, acc); break;
+    case 5: tile<5>(x, xs, panel, K, acc); break;
+    default: tile<6>(x, xs, panel, K, acc); break;
+  }
+}
 
 template <typename WT, typename OT>
 void fixed_gemm(const float* x, int64_t xs, const WT* wp, const float* bias, OT* y, int64_t M, int64_t N,
@@ -38,7 +93,7 @@ void fixed_gemm(const float* x, int64_t xs, const WT* wp, const float* bias, OT*
         const int64_t n0 = p * kNR, nn = std::min(kNR, N - n0);
         for (int64_t r0 = 0; r0 < mb; r0 += kMR) {
           const int64_t R = std::min(kMR, mb - r0);
-          fixed::tile_rows(R, x + (m0 + r0) * xs, xs, panel, kNR, K, acc, kNR, false);
+          tile_rows(R, x + (m0 + r0) * xs, xs, panel, K, acc);
           for (int64_t r = 0; r < R; ++r) {
             OT* out = y + (m0 + r0 + r) * N + n0;
             for (int64_t j = 0; j < nn; ++j) {

@@ -1,5 +1,5 @@
-// The register tile shared by the fixed-order kernels (fixed_gemm.cpp, the strict attention in
-// attention.cpp): acc[r * as + j] (+)= chain over k of x[r * xs + k] * panel[k * ps + j], for R <= 6 rows
+// The register tile of the strict attention (attention.cpp; fixed_gemm.cpp keeps its own copy of the
+// same scheme, specialised for packed panels, whose code generation is measured fastest that way): acc[r * as + j] (+)= chain over k of x[r * xs + k] * panel[k * ps + j], for R <= 6 rows
 // and 16 columns. Every output is ONE float32 FMA chain over k = 0 .. K-1 in order, so its bits depend
 // neither on R nor on the row's place in the tile; with `accumulate` a chain continues from acc (stored
 // and reloaded exactly), so splitting k into pieces changes nothing either. AVX2 FMA intrinsics (opaque
@@ -30,14 +30,22 @@ inline __m256 wload8(const uint16_t* p) {  // bf16 is the top half of a float32
 }
 #endif
 
-template <int R, typename WT>
-inline void tile(const float* x, int64_t xs, const WT* panel, int64_t ps, int64_t K, float* acc, int64_t as,
-                 bool accumulate) {
+// PS > 0: the panel's row stride known at compile time (packed weights: 16), else `ps`. ACC: start from
+// acc (a template parameter, so the accumulators stay in registers either way).
+template <int R, typename WT, int64_t PS, bool ACC>
+inline void tile(const float* x, int64_t xs, const WT* panel, int64_t ps_, int64_t K,
+                 float* acc, int64_t as) {
+  const int64_t ps = PS > 0 ? PS : ps_;
+  constexpr bool accumulate = ACC;
 #ifdef PAGEDSERVE_FIXED_AVX2
   __m256 c0[R], c1[R];
   for (int r = 0; r < R; ++r) {
-    c0[r] = accumulate ? _mm256_loadu_ps(acc + r * as) : _mm256_setzero_ps();
-    c1[r] = accumulate ? _mm256_loadu_ps(acc + r * as + 8) : _mm256_setzero_ps();
+    if constexpr (accumulate) {
+      c0[r] = _mm256_loadu_ps(acc + r * as);
+      c1[r] = _mm256_loadu_ps(acc + r * as + 8);
+    } else {
+      c0[r] = c1[r] = _mm256_setzero_ps();
+    }
   }
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = wload8(panel + k * ps), w1 = wload8(panel + k * ps + 8);
@@ -52,7 +60,7 @@ inline void tile(const float* x, int64_t xs, const WT* panel, int64_t ps, int64_
     _mm256_storeu_ps(acc + r * as + 8, c1[r]);
   }
 #else
-  if (!accumulate)
+  if constexpr (!accumulate)
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < kNR; ++j) acc[r * as + j] = 0.f;
   for (int64_t k = 0; k < K; ++k)
@@ -62,16 +70,16 @@ inline void tile(const float* x, int64_t xs, const WT* panel, int64_t ps, int64_
 #endif
 }
 
-template <typename WT>
+template <typename WT, int64_t PS, bool ACC>
 inline void tile_rows(int64_t R, const float* x, int64_t xs, const WT* panel, int64_t ps, int64_t K, float* acc,
-                      int64_t as, bool accumulate) {
+                      int64_t as) {
   switch (R) {
-    case 1: tile<1>(x, xs, panel, ps, K, acc, as, accumulate); break;
-    case 2: tile<2>(x, xs, panel, ps, K, acc, as, accumulate); break;
-    case 3: tile<3>(x, xs, panel, ps, K, acc, as, accumulate); break;
-    case 4: tile<4>(x, xs, panel, ps, K, acc, as, accumulate); break;
-    case 5: tile<5>(x, xs, panel, ps, K, acc, as, accumulate); break;
-    default: tile<6>(x, xs, panel, ps, K, acc, as, accumulate); break;
+    case 1: tile<1, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
+    case 2: tile<2, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
+    case 3: tile<3, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
+    case 4: tile<4, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
+    case 5: tile<5, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
+    default: tile<6, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
   }
 }
 
