@@ -2,10 +2,12 @@
 
 Per step, sequences are split into two groups — decodes (one new token) and prefill chunks (several) —
 so a long prefill does not pad every decode to its length. Decodes use a small C++ kernel that reads
-K/V through the block table in place (pagedserve/kernels/csrc/attention.cpp). Prefill chunks (and decodes when
-the kernel is unavailable) gather each sequence's context through its block table in one indexing op,
-and a single masked `scaled_dot_product_attention` call (GQA-aware) does the math. Index tensors and
-masks are built once per step in `prepare` and reused by every layer.
+K/V through the block table in place (pagedserve/kernels/csrc/attention.cpp); prefill chunks the C++ row
+kernel (`paged_attention_rows`: each row over its own context in a fixed order, so chunking and batching
+do not change a row). Without the kernels, or with a sliding window, both gather each sequence's context
+through its block table in one indexing op, and a single masked `scaled_dot_product_attention` call
+(GQA-aware) does the math. Index tensors and masks are built once per step in `prepare` and reused by
+every layer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class _Group:
     valid: torch.Tensor  # [G * max_q] indices of valid slots
     seq_lens: torch.Tensor  # [G]
     is_decode: bool
+    q_start: torch.Tensor  # [G + 1]: offsets of each sequence's rows in q[out_rows]
 
 
 def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
@@ -55,12 +58,14 @@ def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
         valid=valid.flatten().nonzero().squeeze(1),
         seq_lens=seq_lens,
         is_decode=max_q == 1,
+        q_start=torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]),
     )
 
 
 class BatchedGatherBackend(AttentionBackend):
-    """Decodes go to the C++ kernel that reads the paged cache in place (when it could be built);
-    prefill chunks, and decodes without the kernel, use the gather + SDPA path."""
+    """Decodes go to the C++ kernel that reads the paged cache in place, prefill chunks to the C++ row
+    kernel (when the kernels could be built and there is no sliding window); otherwise the gather + SDPA
+    path."""
 
     name = "batched"
 
@@ -93,6 +98,13 @@ class BatchedGatherBackend(AttentionBackend):
                 # decodes needs no row index at all.
                 rows = _NO_ROWS if len(groups) == 1 else g.out_rows
                 self.kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, rows, out, scale)
+                continue
+            if use_kernel:
+                # Prefill chunks: the C++ row kernel (the strict mode's): every row over its own context,
+                # so a prompt's rows come out the same however it is chunked or batched, and the masked
+                # half of causal attention is never computed.
+                out[g.out_rows] = self.kernels.paged_attention_rows(
+                    q[g.out_rows], k_cache, v_cache, g.block_tables.contiguous(), g.seq_lens, g.q_start, scale)
                 continue
             G, max_q = g.token_index.shape
             keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]
