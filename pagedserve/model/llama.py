@@ -126,8 +126,9 @@ class LlamaForCausalLM(nn.Module):
         kernels = self.kernels if x.device.type == "cpu" else None
         if self._decode_stack_applies(backend, meta):
             # A few decoding sequences: every layer in one C++ call (same kernels, same order).
-            x = self._decode_stack(kv_caches, backend.row_invariant).forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
-                                                      meta.seq_lens)
+            stack = self._decode_stack(kv_caches, backend.row_invariant)
+            x = stack.forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
+                              meta.seq_lens)
         else:
             backend.prepare(meta)  # once per step, for every layer (the stack needs none of it)
             residual = None
