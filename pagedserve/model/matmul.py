@@ -248,7 +248,7 @@ class MatmulRoutes:
     def decode_spec(self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None):
         """This matmul's few-rows route as DecodeStack's MatmulSpec (PACKED runs as LINEAR there: the
         packed matmul gives F.linear's numbers)."""
-        if self.few_rows in (Route.LINEAR_F32,) or self.float32_out:
+        if self.float32_out:
             raise ValueError("decode_spec: a float32-out matmul (the LM head) is not part of DecodeStack")
         route = Route.LINEAR if self.few_rows == Route.PACKED else self.few_rows
         if route == Route.FIXED:
