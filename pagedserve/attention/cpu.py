@@ -25,7 +25,7 @@ _NO_ROWS = torch.empty(0, dtype=torch.long)
 @dataclass(slots=True)
 class _Group:
     token_index: torch.Tensor  # [G, max_q]: flat token index of each padded query slot
-    mask: torch.Tensor  # [G, 1, max_q, L] bool: key visible to query
+    mask: torch.Tensor | None  # [G, 1, max_q, L] bool: key visible to query (SDPA path only)
     block_tables: torch.Tensor  # [G, num_blocks]
     out_rows: torch.Tensor  # flat token indices of the valid query slots, in padded order
     valid: torch.Tensor  # [G * max_q] indices of valid slots
@@ -34,7 +34,7 @@ class _Group:
     q_start: torch.Tensor  # [G + 1]: offsets of each sequence's rows in q[out_rows]
 
 
-def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
+def _build_group(meta: AttentionMetadata, seqs: list[int], with_mask: bool) -> _Group:
     dev = meta.slot_mapping.device
     idx = torch.tensor(seqs, dtype=torch.long, device=dev)
     q_lens = torch.tensor([meta.query_lens[i] for i in seqs], dtype=torch.long, device=dev)
@@ -45,15 +45,18 @@ def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
     valid = j.unsqueeze(0) < q_lens.unsqueeze(1)
     token_index = torch.where(valid, meta.query_start_loc[idx].unsqueeze(1) + j, 0)
     # Padded query slots look only at key 0 so their softmax stays finite; their output is dropped.
-    q_pos = torch.where(valid, (seq_lens - q_lens).unsqueeze(1) + j, 0)
-    k_pos = torch.arange(num_blocks * meta.block_size, device=dev)
-    mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
-    if meta.sliding_window is not None:
-        mask &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(2) - meta.sliding_window
+    mask = None
+    if with_mask:  # only the gather + SDPA path reads it (the C++ kernels read the tables and lengths)
+        q_pos = torch.where(valid, (seq_lens - q_lens).unsqueeze(1) + j, 0)
+        k_pos = torch.arange(num_blocks * meta.block_size, device=dev)
+        mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
+        if meta.sliding_window is not None:
+            mask &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(2) - meta.sliding_window
+        mask = mask.unsqueeze(1)
     return _Group(
         token_index=token_index,
-        mask=mask.unsqueeze(1),
-        block_tables=meta.block_tables[idx, :num_blocks],
+        mask=mask,
+        block_tables=meta.block_tables[idx, :num_blocks].contiguous(),
         out_rows=token_index[valid],
         valid=valid.flatten().nonzero().squeeze(1),
         seq_lens=seq_lens,
@@ -80,7 +83,12 @@ class BatchedGatherBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         decodes = [i for i, q in enumerate(meta.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(meta.query_lens) if q > 1]
-        meta.prepared["groups"] = [_build_group(meta, g) for g in (decodes, prefills) if g]
+        with_mask = not self._kernels_apply(meta)
+        meta.prepared["groups"] = [_build_group(meta, g, with_mask) for g in (decodes, prefills) if g]
+
+    def _kernels_apply(self, meta: AttentionMetadata) -> bool:
+        """Both groups run the C++ kernels (they have no sliding window)."""
+        return self.kernels is not None and meta.slot_mapping.device.type == "cpu" and meta.sliding_window is None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if k is not None:  # None: the caller already wrote this step's K/V (the fused rotary kernel)
@@ -90,8 +98,8 @@ class BatchedGatherBackend(AttentionBackend):
         groups = meta.prepared["groups"]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_heads, head_dim = q.shape[1], q.shape[2]
-        # The kernel has no sliding window: windowed models take the gather path.
-        use_kernel = self.kernels is not None and q.device.type == "cpu" and meta.sliding_window is None
+        # The kernels have no sliding window: windowed models take the gather path.
+        use_kernel = self._kernels_apply(meta)
         for g in groups:
             if g.is_decode and use_kernel:
                 # Reads each query row of q in place and writes its output row of `out`; a batch of only
@@ -104,7 +112,7 @@ class BatchedGatherBackend(AttentionBackend):
                 # so a prompt's rows come out the same however it is chunked or batched, and the masked
                 # half of causal attention is never computed.
                 out[g.out_rows] = self.kernels.paged_attention_rows(
-                    q[g.out_rows], k_cache, v_cache, g.block_tables.contiguous(), g.seq_lens, g.q_start, scale)
+                    q[g.out_rows], k_cache, v_cache, g.block_tables, g.seq_lens, g.q_start, scale)
                 continue
             G, max_q = g.token_index.shape
             keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]
