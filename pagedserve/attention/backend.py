@@ -26,8 +26,9 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies, for backends that need shapes without a device sync
     seq_lens_host: list[int]
     block_size: int
-    # Mistral-style local attention: a token sees only the last `sliding_window` positions (itself
-    # included). Set by the model from its config; None means full causal attention.
+    # The step's default attention window (a token sees only the last `sliding_window` positions, itself
+    # included) for layers that pass none; None: full causal attention. Models pass each layer's own
+    # window to `forward` instead (Gemma interleaves sliding and global layers).
     sliding_window: int | None = None
     prepared: dict[str, Any] = field(default_factory=dict)  # backend-specific, built once per step
 
@@ -45,9 +46,22 @@ def write_kv(
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def effective_window(meta: AttentionMetadata, window: int | None) -> int | None:
+    """The window that changes something this step: None when no sequence is longer than the window
+    (every key of every row is then inside it), so the window-free kernels give the same result."""
+    window = window if window is not None else meta.sliding_window
+    if window is None or max(meta.seq_lens_host, default=0) <= window:
+        return None
+    return window
+
+
 class AttentionBackend:
     """Base class. `forward` writes the new K/V into the cache (unless k and v are None: the caller wrote
-    them already) and returns attention output [T, H, D]. q's rows may be strided (a view of qkv)."""
+    them already) and returns attention output [T, H, D]. q's rows may be strided (a view of qkv).
+
+    Per layer: `window` (sliding-window attention: a row sees its last `window` positions; None: the
+    metadata's default) and `softcap` (scores -> softcap * tanh(scores / softcap) before the mask and the
+    softmax, Gemma 2)."""
 
     name = "base"
     # Every query row's attention is computed by the strict mode's row kernel (paged_attention_rows), so a
@@ -74,5 +88,7 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError

@@ -4,10 +4,11 @@ Per step, sequences are split into two groups — decodes (one new token) and pr
 so a long prefill does not pad every decode to its length. Decodes use a small C++ kernel that reads
 K/V through the block table in place (pagedserve/kernels/csrc/attention.cpp); prefill chunks the C++ row
 kernel (`paged_attention_rows`: each row over its own context in a fixed order, so chunking and batching
-do not change a row). Without the kernels, or with a sliding window, both gather each sequence's context
-through its block table in one indexing op, and a single masked `scaled_dot_product_attention` call
-(GQA-aware) does the math. Index tensors and masks are built once per step in `prepare` and reused by
-every layer.
+do not change a row). Without the kernels, or where a layer's sliding window cuts some context, both gather
+each sequence's context through its block table in one indexing op, and a single masked
+`scaled_dot_product_attention` call (GQA-aware) does the math (with soft-capping, Gemma 2: the same
+gather, explicit scores). Index tensors are built once per step in `prepare`, masks once per step and
+window, and reused by every layer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, effective_window, write_kv
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 
@@ -25,16 +26,28 @@ _NO_ROWS = torch.empty(0, dtype=torch.long)
 @dataclass(slots=True)
 class _Group:
     token_index: torch.Tensor  # [G, max_q]: flat token index of each padded query slot
-    mask: torch.Tensor | None  # [G, 1, max_q, L] bool: key visible to query (SDPA path only)
+    q_pos: torch.Tensor  # [G, max_q]: position of each query slot (0 for padding)
     block_tables: torch.Tensor  # [G, num_blocks]
     out_rows: torch.Tensor  # flat token indices of the valid query slots, in padded order
     valid: torch.Tensor  # [G * max_q] indices of valid slots
     seq_lens: torch.Tensor  # [G]
     is_decode: bool
     q_start: torch.Tensor  # [G + 1]: offsets of each sequence's rows in q[out_rows]
+    masks: dict  # window -> [G, 1, max_q, L] bool: key visible to query (gather path only), built on demand
+
+    def mask(self, block_size: int, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            k_pos = torch.arange(self.block_tables.shape[1] * block_size, device=self.q_pos.device).view(1, 1, -1)
+            q_pos = self.q_pos.unsqueeze(2)
+            # Padded query slots have position 0: they look only at key 0 so their softmax stays finite.
+            mask = (k_pos <= q_pos) & (k_pos < self.seq_lens.view(-1, 1, 1))
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self.masks[window] = mask.unsqueeze(1)
+        return self.masks[window]
 
 
-def _build_group(meta: AttentionMetadata, seqs: list[int], with_mask: bool) -> _Group:
+def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
     dev = meta.slot_mapping.device
     idx = torch.tensor(seqs, dtype=torch.long, device=dev)
     q_lens = torch.tensor([meta.query_lens[i] for i in seqs], dtype=torch.long, device=dev)
@@ -44,38 +57,30 @@ def _build_group(meta: AttentionMetadata, seqs: list[int], with_mask: bool) -> _
     j = torch.arange(max_q, device=dev)
     valid = j.unsqueeze(0) < q_lens.unsqueeze(1)
     token_index = torch.where(valid, meta.query_start_loc[idx].unsqueeze(1) + j, 0)
-    # Padded query slots look only at key 0 so their softmax stays finite; their output is dropped.
-    mask = None
-    if with_mask:  # only the gather + SDPA path reads it (the C++ kernels read the tables and lengths)
-        q_pos = torch.where(valid, (seq_lens - q_lens).unsqueeze(1) + j, 0)
-        k_pos = torch.arange(num_blocks * meta.block_size, device=dev)
-        mask = (k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1))
-        if meta.sliding_window is not None:
-            mask &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(2) - meta.sliding_window
-        mask = mask.unsqueeze(1)
     return _Group(
         token_index=token_index,
-        mask=mask,
+        q_pos=torch.where(valid, (seq_lens - q_lens).unsqueeze(1) + j, 0),
         block_tables=meta.block_tables[idx, :num_blocks].contiguous(),
         out_rows=token_index[valid],
         valid=valid.flatten().nonzero().squeeze(1),
         seq_lens=seq_lens,
         is_decode=max_q == 1,
         q_start=torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]),
+        masks={},
     )
 
 
 class BatchedGatherBackend(AttentionBackend):
     """Decodes go to the C++ kernel that reads the paged cache in place, prefill chunks to the C++ row
-    kernel (when the kernels could be built and there is no sliding window); otherwise the gather + SDPA
-    path."""
+    kernel (when the kernels could be built, the layer's window cuts nothing and there is no soft-capping);
+    otherwise the gather + SDPA path."""
 
     name = "batched"
 
     def runs_decode_kernel(self, meta: AttentionMetadata) -> bool:
         return (
             self.kernels is not None
-            and meta.sliding_window is None  # the kernel has no sliding window
+            and effective_window(meta, None) is None  # the kernel has no sliding window
             and meta.slot_mapping.device.type == "cpu"
             and all(q == 1 for q in meta.query_lens)
         )
@@ -83,14 +88,16 @@ class BatchedGatherBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         decodes = [i for i, q in enumerate(meta.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(meta.query_lens) if q > 1]
-        with_mask = not self._kernels_apply(meta)
-        meta.prepared["groups"] = [_build_group(meta, g, with_mask) for g in (decodes, prefills) if g]
+        meta.prepared["groups"] = [_build_group(meta, g) for g in (decodes, prefills) if g]
 
-    def _kernels_apply(self, meta: AttentionMetadata) -> bool:
-        """Both groups run the C++ kernels (they have no sliding window)."""
-        return self.kernels is not None and meta.slot_mapping.device.type == "cpu" and meta.sliding_window is None
+    def _kernels_apply(self, meta: AttentionMetadata, window: int | None, softcap: float | None) -> bool:
+        """Both groups run the C++ kernels (they have no sliding window and no soft-capping)."""
+        on_cpu = self.kernels is not None and meta.slot_mapping.device.type == "cpu"
+        return on_cpu and window is None and softcap is None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None,
+                softcap=None) -> torch.Tensor:
+        window = effective_window(meta, window)
         if k is not None:  # None: the caller already wrote this step's K/V (the fused rotary kernel)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if "groups" not in meta.prepared:
@@ -98,8 +105,8 @@ class BatchedGatherBackend(AttentionBackend):
         groups = meta.prepared["groups"]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_heads, head_dim = q.shape[1], q.shape[2]
-        # The kernels have no sliding window: windowed models take the gather path.
-        use_kernel = self._kernels_apply(meta)
+        # The kernels have no sliding window and no soft-capping: those layers take the gather path.
+        use_kernel = self._kernels_apply(meta, window, softcap)
         for g in groups:
             if g.is_decode and use_kernel:
                 # Reads each query row of q in place and writes its output row of `out`; a batch of only
@@ -118,12 +125,28 @@ class BatchedGatherBackend(AttentionBackend):
             keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]
             values = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
             queries = q[g.token_index].transpose(1, 2)  # [G, H, max_q, D]
-            res = F.scaled_dot_product_attention(
-                queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask, scale=scale, enable_gqa=True
-            )
+            mask = g.mask(meta.block_size, window)
+            if softcap is None:
+                res = F.scaled_dot_product_attention(
+                    queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            else:
+                res = _softcapped_attention(queries, keys, values, mask, scale, softcap)
             res = res.transpose(1, 2).reshape(G * max_q, num_heads, head_dim)
             out[g.out_rows] = res[g.valid]
         return out
+
+
+def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention ([G, H, Q, D] queries, [G, KVH, L, D] keys/values): float32 scores, capped
+    (softcap * tanh(s / softcap)), masked, softmax, times values; cast back to q's dtype."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v).to(q.dtype)
 
 
 class BatchInvariantBackend(BatchedGatherBackend):
@@ -142,10 +165,13 @@ class BatchInvariantBackend(BatchedGatherBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         if self.kernels is None:
             raise ValueError("batch_invariant: the attention needs the C++ kernels")
-        if meta.sliding_window is not None:
-            raise ValueError("batch_invariant: sliding-window attention is not supported in the strict mode")
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None,
+                softcap=None) -> torch.Tensor:
+        if effective_window(meta, window) is not None:
+            raise ValueError("batch_invariant: sliding-window attention is not supported in the strict mode")
+        if softcap is not None:
+            raise ValueError("batch_invariant: attention soft-capping is not supported in the strict mode")
         if k is not None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         self.prepare(meta)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, effective_window, write_kv
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -20,7 +20,9 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None,
+                softcap=None) -> torch.Tensor:
+        window = effective_window(meta, window)
         if k is not None:  # None: the caller already wrote this step's K/V
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -34,12 +36,14 @@ class TorchRefBackend(AttentionBackend):
             values = values.repeat_interleave(group, dim=1)
             qs = q[start : start + q_len].float()  # [Q, H, D]
             scores = torch.einsum("qhd,shd->hqs", qs, keys) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             # New tokens are the last q_len positions of the context: token i sees keys 0..pos_i.
             q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
             k_pos = torch.arange(seq_len).unsqueeze(0)
             hidden = k_pos > q_pos
-            if meta.sliding_window is not None:
-                hidden |= k_pos <= q_pos - meta.sliding_window
+            if window is not None:
+                hidden |= k_pos <= q_pos - window
             scores = scores.masked_fill(hidden, float("-inf"))
             probs = scores.softmax(dim=-1)
             out[start : start + q_len] = torch.einsum("hqs,shd->qhd", probs, values).to(q.dtype)

@@ -1,8 +1,12 @@
-"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias) and SmolLM.
+"""The decoder of every supported architecture (model/config.py's registry): Llama 2/3.x, Mistral, Qwen2
+(qkv bias), Qwen3 (QK-norm), Phi-3 / Phi-4-mini (partial rotary, LongRoPE), Gemma 2 and Gemma 3 (four norms
+per layer, GeGLU, embedding scale, soft-capping, per-layer sliding windows and rotary bases), and SmolLM.
 
 It works on a flat batch (all new tokens of all sequences concatenated) and attends over the paged KV
 cache through an AttentionBackend. q/k/v and gate/up projections are fused at load time so each layer
-runs three big matmuls instead of seven.
+runs three big matmuls instead of seven. The plain Llama-style decoder (`ModelConfig.plain_decoder`) also
+runs its decode steps through the fused C++ DecodeStack; the others run their layers op by op (with the
+C++ norms, rotary and KV write where they apply).
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.kernels import CpuKernels
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from pagedserve.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    gelu_tanh_and_mul,
+    silu_and_mul,
+)
 from pagedserve.model.matmul import GEMV_MAX_ROWS, MatmulRoutes
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -25,30 +36,48 @@ DECODE_STACK_MAX_SEQS = GEMV_MAX_ROWS
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.window = cfg.layer_window(layer_idx)
+        self.softcap = cfg.attn_logit_softcapping
+        # Gemma 3's sliding layers rotate with their own base; every other layer with the model's.
+        self.rope_key = "local" if self.window is not None and cfg.rope_local_theta is not None else "global"
+        self.full_rotary = cfg.rotary_dim == cfg.head_dim
+        if cfg.spec.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
-    def forward(self, x, rope, kv_cache, backend: AttentionBackend, meta: AttentionMetadata, kernels=None):
+    def forward(self, x, ropes, kv_cache, backend: AttentionBackend, meta: AttentionMetadata, kernels=None):
         qkv = self.qkv_proj(x)
-        if kernels is not None:
+        rope = ropes[self.rope_key]
+        if self.q_norm is not None:
+            # RMSNorm over each head of q and k (before the rotary), written back into qkv.
+            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        attend = {"window": self.window, "softcap": self.softcap}
+        if kernels is not None and self.full_rotary:
             # One pass: rotary on q and k in place inside qkv, and K/V written into the paged cache.
             kernels.rotary_write_kv(qkv, rope[0], rope[1], kv_cache[0], kv_cache[1], meta.slot_mapping,
                                     self.num_heads, self.num_kv_heads)
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
-            out = backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, **attend)
             return self.o_proj(out.view(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **attend)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -57,35 +86,63 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gelu = cfg.spec.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, kernels=None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = kernels.silu_and_mul(gate_up) if kernels is not None else silu_and_mul(gate_up)
+        if self.gelu:
+            act = gelu_tanh_and_mul(gate_up)
+        else:
+            act = kernels.silu_and_mul(gate_up) if kernels is not None else silu_and_mul(gate_up)
         return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
+        # Llama: the norm before the MLP. Gemma (sandwich norms): the norm of the attention's output.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, rope, kv_cache, backend, meta, kernels=None):
+    def forward(self, x, residual, ropes, kv_cache, backend, meta, kernels=None):
         """Returns (x, residual): with kernels, the residual add is deferred into the next fused norm
         (vLLM's scheme, the layer's output is x + residual); without, residual stays None."""
+        if self.sandwich:
+            return self._forward_sandwich(x, residual, ropes, kv_cache, backend, meta, kernels)
         if kernels is None:
-            x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, meta)
+            x = x + self.self_attn(self.input_layernorm(x), ropes, kv_cache, backend, meta)
             return x + self.mlp(self.post_attention_layernorm(x)), None
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps)
         else:
             kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
-        x = self.self_attn(x, rope, kv_cache, backend, meta, kernels)
+        x = self.self_attn(x, ropes, kv_cache, backend, meta, kernels)
         kernels.fused_add_rms_norm(x, residual, ln2.weight, ln2.eps)
         return self.mlp(x, kernels), residual
+
+    def _forward_sandwich(self, x, residual, ropes, kv_cache, backend, meta, kernels):
+        """Gemma: x + post_norm(attn(norm(x))), then the same around the MLP."""
+        ln1, post_attn = self.input_layernorm, self.post_attention_layernorm
+        pre_ffn, post_ffn = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if kernels is None:
+            x = x + post_attn(self.self_attn(ln1(x), ropes, kv_cache, backend, meta))
+            return x + post_ffn(self.mlp(pre_ffn(x))), None
+        if residual is None:
+            residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps)
+        else:
+            kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        x = self.self_attn(x, ropes, kv_cache, backend, meta, kernels)
+        x = kernels.rms_norm(x, post_attn.weight, post_attn.eps)
+        kernels.fused_add_rms_norm(x, residual, pre_ffn.weight, pre_ffn.eps)
+        x = self.mlp(x, kernels)
+        return kernels.rms_norm(x, post_ffn.weight, post_ffn.eps), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.lm_head is not None:
@@ -105,8 +162,20 @@ class LlamaForCausalLM(nn.Module):
         # runner through set_kernels; None: plain PyTorch.
         self.kernels: CpuKernels | None = None
         self._stack = None  # (kv_caches, C++ DecodeStack, strict attention) for few-sequence decode steps
-        positions = max_positions or cfg.max_position_embeddings
-        self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.build_rotary()
+
+    def build_rotary(self, device: torch.device | str | None = None) -> None:
+        """The cos/sin tables (the global one, and Gemma 3's sliding layers' own); float32, on `device`."""
+        cfg, n = self.config, self.max_positions
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, n, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_local = None
+        if cfg.rope_local_theta is not None:
+            self.rotary_local = RotaryEmbedding(cfg.rotary_dim, n, cfg.rope_local_theta, None)
+        if device is not None:
+            self.rotary.to(device)
+            if self.rotary_local is not None:
+                self.rotary_local.to(device)
 
     def forward(
         self,
@@ -119,10 +188,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Float32 logits (in every dtype: the head sums and returns float32) of the rows in
         `logits_indices` (each sequence's last new token), or of every token."""
-        # The window is a property of the model, not of the step: the runner need not know about it.
-        meta.sliding_window = self.config.sliding_window
+        # Windows are per layer (each Attention passes its own to the backend); the step's metadata
+        # carries none.
+        meta.sliding_window = None
+        cfg = self.config
         x = self.embed_tokens(input_ids)
+        if cfg.embed_scale is not None:  # Gemma: in the model's dtype, as transformers does
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         rope = self.rotary.cos_sin(positions)
+        ropes = {"global": rope}
+        if self.rotary_local is not None:
+            ropes["local"] = self.rotary_local.cos_sin(positions)
         kernels = self.kernels if x.device.type == "cpu" else None
         if self._decode_stack_applies(backend, meta):
             # A few decoding sequences: every layer in one C++ call (same kernels, same order).
@@ -133,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
             backend.prepare(meta)  # once per step, for every layer (the stack needs none of it)
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, rope, kv_cache, backend, meta, kernels)
+                x, residual = layer(x, residual, ropes, kv_cache, backend, meta, kernels)
             if residual is not None:
                 x = x + residual
         if logits_indices is not None:
@@ -141,12 +217,20 @@ class LlamaForCausalLM(nn.Module):
         x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
         head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
         weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        return head(x, weight, None).float()  # float32 already on the CPU routes; .float() elsewhere
+        logits = head(x, weight, None).float()  # float32 already on the CPU routes; .float() elsewhere
+        if cfg.final_logit_softcapping is not None:  # Gemma 2
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _decode_stack_applies(self, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
+        cfg = self.config
+        windows_apply = cfg.has_sliding_window and max(meta.seq_lens_host, default=0) > (cfg.sliding_window or 0)
         return (
             self.kernels is not None
             and self.kernels.decode_stack
+            and cfg.plain_decoder
+            and not windows_apply  # the C++ decode kernels have no window
             and 0 < meta.num_seqs <= DECODE_STACK_MAX_SEQS
             and backend.runs_decode_kernel(meta)
         )
@@ -220,8 +304,12 @@ class LlamaForCausalLM(nn.Module):
         return [r for r, _, _, _ in matmuls]
 
     # ---- weights -------------------------------------------------------------------------------
-    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load tensors named as in HF checkpoints, fusing q/k/v and gate/up on the way."""
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]], norm_offset: float = 0.0) -> None:
+        """Load tensors named as in HF checkpoints, fusing q/k/v and gate/up on the way (Phi-3's come fused).
+
+        norm_offset: added to every RMSNorm weight (in float32, before the cast): 1 for Gemma's HF
+        checkpoints, whose norms scale by (1 + w), so every norm here is the plain x_hat * w (GGUF
+        files store 1 + w already)."""
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
@@ -242,6 +330,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still store a copy
+            if norm_offset and name.endswith("norm.weight"):
+                tensor = tensor.float() + norm_offset
             self._copy(params, name, tensor, loaded)
         missing = set(params) - loaded
         if pending or missing:

@@ -22,7 +22,7 @@ import torch
 from pagedserve.config import canonical_dtype
 from pagedserve.envs import ENV
 from pagedserve.kernels import cpu_info
-from pagedserve.model.config import ModelConfig
+from pagedserve.model.config import ARCH_BY_GGUF, ModelConfig, unsupported_architecture
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.matmul import GGUF_TYPE_IDS
 
@@ -51,13 +51,24 @@ def bundled_model_path() -> str:
     return str(path)
 
 
-def resolve_model(model: str | None) -> tuple[str, str]:
-    """(path, served name) for a model argument; None means the bundled default model."""
+def resolve_model(model: str | None, *, revision: str | None = None) -> tuple[str, str]:
+    """(path, served name) for a model argument; None means the bundled default model. A local path wins;
+    otherwise `org/name` or `org/name:QUANT` is a Hugging Face hub id, resolved at `revision` through the
+    Hugging Face cache (downloaded when the Hub is reachable) and served under that id (model/hub.py)."""
     if model is None or model in (DEFAULT_MODEL_NAME, "default"):
+        if revision is not None:
+            logger.warning("revision %r ignored: the bundled model has no revisions", revision)
         return bundled_model_path(), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model: {model!r} does not exist (give a HF model directory or a .gguf file)")
+        from pagedserve.model import hub
+
+        if hub.is_hub_id(model):
+            return hub.resolve_hub_model(model, revision)
+        raise ValueError(f"model: {model!r} does not exist (give a HF model directory, a .gguf file or a Hugging "
+                         "Face repo id org/name)")
+    if revision is not None:
+        logger.warning("revision %r ignored: %s is a local path", revision, model)
     name = path.stem if path.is_file() else path.name
     return str(path), name
 
@@ -93,10 +104,12 @@ class LoadedModel:
 
 
 def load_model(
-    model: str | None, dtype: str | torch.dtype = "float32", device: str = "cpu", keep_dequantized: bool = False
+    model: str | None, dtype: str | torch.dtype = "float32", device: str = "cpu", keep_dequantized: bool = False,
+    *, revision: str | None = None,
 ) -> LoadedModel:
-    """keep_dequantized: keep the last GGUF's dequantized weights in memory (see _dequantized_gguf)."""
-    path, name = resolve_model(model)
+    """keep_dequantized: keep the last GGUF's dequantized weights in memory (see _dequantized_gguf);
+    revision: of a Hugging Face hub id (see resolve_model)."""
+    path, name = resolve_model(model, revision=revision)
     torch_dtype = resolve_dtype(dtype)
     blocks: dict[str, tuple[int, torch.Tensor]] | None = None
     if os.path.isdir(path):
@@ -116,16 +129,16 @@ def load_model(
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg)
     net = net.to_empty(device=device).to(torch_dtype)
-    net.rotary = type(net.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-    net.rotary.to(device)
-    net.load_hf_weights(weights)
+    net.build_rotary(device)  # float32 tables (to_empty left the meta ones uninitialised)
+    from_hf = os.path.isdir(path)
+    net.load_hf_weights(weights, norm_offset=1.0 if from_hf and cfg.spec.gemma_norms else 0.0)
     net.eval()
     return LoadedModel(net, cfg, path, name, blocks or None)
 
 
-def load_model_config(model: str | None) -> tuple[ModelConfig, str]:
+def load_model_config(model: str | None, *, revision: str | None = None) -> tuple[ModelConfig, str]:
     """The model's config without loading its weights."""
-    path, name = resolve_model(model)
+    path, name = resolve_model(model, revision=revision)
     if os.path.isdir(path):
         return load_hf_config(path), name
     return gguf_config(_gguf_reader(path)), name
@@ -190,34 +203,63 @@ def _field(reader, key: str, default=None):
 
 def gguf_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"unsupported architecture {arch!r} in GGUF (supported: llama, mistral, qwen2)")
+    spec = ARCH_BY_GGUF.get(arch)
+    if spec is None:
+        raise unsupported_architecture(arch, "GGUF general.architecture")
     heads = _field(reader, f"{arch}.attention.head_count")
     hidden = _field(reader, f"{arch}.embedding_length")
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    names = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
+    num_layers = _field(reader, f"{arch}.block_count")
+    head_dim = _field(reader, f"{arch}.attention.key_length", hidden // heads)
+    ctx = _field(reader, f"{arch}.context_length", 2048)
     scaling = None
-    if "rope_freqs.weight" in names:  # llama3-style scaling stored as per-frequency divisors
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in t.data]}
+    if "rope_freqs.weight" in tensors:  # llama3-style scaling stored as per-frequency divisors
+        scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in tensors["rope_freqs.weight"].data]}
+    if "rope_factors_long.weight" in tensors:  # Phi-3 LongRoPE
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length", ctx)
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": [float(x) for x in tensors["rope_factors_long.weight"].data],
+            "short_factor": [float(x) for x in tensors["rope_factors_short.weight"].data],
+            "original_max_position_embeddings": original, "max_position_embeddings": ctx,
+            "attention_factor": _field(reader, f"{arch}.rope.scaling.attn_factor"),
+        }
+    rotary_dim = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    layer_types = None
+    if window is not None and arch in ("gemma2", "gemma3"):
+        pattern = 2 if arch == "gemma2" else 6  # llama.cpp's (and transformers') layer patterns
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif arch not in ("mistral", "phi3"):
+        window = None
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    gemma = spec.gemma_norms
     return ModelConfig(
-        architecture=arch,
+        architecture=spec.name,
         vocab_size=_field(reader, f"{arch}.vocab_size") or len(tokens),
         hidden_size=hidden,
         intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
-        num_layers=_field(reader, f"{arch}.block_count"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
-        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        o_proj_bias="blk.0.attn_output.bias" in names,
-        mlp_bias="blk.0.ffn_up.bias" in names,
+        max_position_embeddings=ctx,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        o_proj_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=10000.0 if arch == "gemma3" else None,  # llama.cpp's fixed base of Gemma 3's local layers
+        partial_rotary_factor=rotary_dim / head_dim,
+        # Gemma scales scores by key_length ** -0.5 (query_pre_attn_scalar = head_dim, as these files have).
+        query_pre_attn_scalar=float(head_dim) if gemma else None,
+        attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping") if arch == "gemma2" else None,
+        final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping") if gemma else None,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )
@@ -227,18 +269,28 @@ _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Where an architecture's GGUF names mean something else (Gemma's four norms; Phi-3's fused matrices).
+_GGUF_NAMES_BY_ARCH = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_GGUF_NAMES_BY_ARCH["gemma3"] = _GGUF_NAMES_BY_ARCH["gemma2"]
+# Tensors that are not weights of the decoder (read into the config instead).
+_GGUF_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
     if name in top:
         return top[name]
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    names = {**_GGUF_NAMES, **_GGUF_NAMES_BY_ARCH.get(arch, {})}
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -284,17 +336,17 @@ def iter_gguf_tensors(
     import numpy as np
 
     for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, cfg.architecture)
         if name is None:
-            if t.name == "rope_freqs.weight":
+            if t.name in _GGUF_CONFIG_TENSORS:
                 continue
-            raise ValueError(f"GGUF tensor {t.name!r} is not a known Llama-family weight")
+            raise ValueError(f"GGUF tensor {t.name!r} is not a known {cfg.architecture} weight")
         w = dequantize_gguf_tensor(t)
         kind = t.tensor_type.name
         raw = None
         if blocks is not None and kind in GGUF_TYPE_IDS and w.dim() == 2:
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(w.shape[0], -1)
-        if cfg.architecture in ("llama", "mistral"):
+        if cfg.spec.permute_gguf_qk:
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
                 w = unpermute_qk(w, cfg.num_heads)
                 raw = None if raw is None else unpermute_qk(raw, cfg.num_heads)

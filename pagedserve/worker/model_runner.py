@@ -47,8 +47,11 @@ class ModelRunner:
             if self.kernels is None:
                 raise ValueError("batch_invariant: the C++ kernels could not be built here (see the warning "
                                  "above); the strict mode needs them")
-            if model.config.sliding_window is not None:
+            if model.config.has_sliding_window:
                 raise ValueError("batch_invariant: sliding-window models are not supported in the strict mode")
+            if model.config.attn_logit_softcapping is not None:
+                raise ValueError("batch_invariant: attention soft-capping (Gemma 2) is not supported in the "
+                                 "strict mode")
         if config.device == "cpu":
             routes = model.setup_matmuls(self.kernels, pack=config.pack_weights, batch_hint=config.max_num_seqs,
                                          gguf_blocks=gguf_blocks, batch_invariant=config.batch_invariant)

@@ -1,5 +1,6 @@
-"""pagedserve's decoder against transformers' on tiny random Llama / Mistral / Qwen2 models and on the
-bundled model: same logits (float32, 1e-4) over a paged KV cache whose block tables are shuffled."""
+"""pagedserve's decoder against transformers' on tiny random models of every supported architecture
+(Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) and on the bundled model: same logits (float32,
+1e-4) over a paged KV cache whose block tables are shuffled."""
 
 from __future__ import annotations
 
@@ -75,8 +76,21 @@ class PagedSequences:
                                  None if all_logits else qsl[1:] - 1)
 
 
+# Phi-4-mini style: LongRoPE over a partial rotary (a quarter of each 16-dim head here: 4 frequencies).
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+             "short_factor": [1.0, 1.3, 2.1, 3.5], "long_factor": [1.2, 2.0, 4.5, 9.0]}
+
+
 def _hf_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -97,6 +111,20 @@ def _hf_config(arch: str):
     if arch == "qwen2-window":  # window on every layer
         return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=True, sliding_window=5,
                            max_window_layers=0)
+    if arch == "qwen2-window-some":  # window from layer 1 on (max_window_layers)
+        return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=True, sliding_window=5,
+                           max_window_layers=1)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    if arch == "phi3":  # fused qkv / gate_up in the checkpoint, partial rotary, LongRoPE
+        return Phi3Config(**dict(common, max_position_embeddings=256), original_max_position_embeddings=64,
+                          rope_parameters=dict(PHI3_ROPE), tie_word_embeddings=False, pad_token_id=0)
+    if arch == "gemma2":  # caps that bite at these scales; a window shorter than the test sequences
+        return Gemma2Config(**common, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                            attn_logit_softcapping=1.5, final_logit_softcapping=4.0, pad_token_id=0)
+    if arch == "gemma3":  # a sliding layer (base 10000) and a global one (base 1e6), QK-norm
+        return Gemma3TextConfig(**common, head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
+                                layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
     raise AssertionError(arch)
 
 
@@ -114,7 +142,8 @@ def _build_hf(arch: str):
     return hf
 
 
-ARCHS = ("llama", "llama3-rope", "llama-bias", "mistral", "qwen2", "qwen2-window")
+ARCHS = ("llama", "llama3-rope", "llama-bias", "mistral", "qwen2", "qwen2-window", "qwen2-window-some", "qwen3",
+         "phi3", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -153,7 +182,16 @@ def test_config_read(tiny):
     assert (lm.model.lm_head is None) == cfg.tie_word_embeddings
     assert cfg.attention_bias == (arch.startswith("qwen2") or arch == "llama-bias")
     assert cfg.o_proj_bias == cfg.mlp_bias == (arch == "llama-bias")
-    assert cfg.sliding_window == {"mistral": 6, "qwen2-window": 5}.get(arch)
+    assert cfg.sliding_window == {"mistral": 6, "qwen2-window": 5, "qwen2-window-some": 5, "gemma2": 6,
+                                  "gemma3": 6}.get(arch)
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    assert windows == {"mistral": [6, 6], "qwen2-window": [5, 5], "qwen2-window-some": [None, 5],
+                       "gemma2": [6, None], "gemma3": [6, None]}.get(arch, [None, None])
+    assert cfg.plain_decoder == (arch in ("llama", "llama3-rope", "llama-bias", "mistral") or arch.startswith("qwen2"))
+    if arch == "phi3":
+        assert cfg.rotary_dim == 8 and cfg.rope_scaling["rope_type"] == "longrope"
+    if arch == "gemma3":
+        assert (cfg.rope_theta, cfg.rope_local_theta) == (1_000_000.0, 10000.0)
     if arch == "llama3-rope":
         assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
         assert cfg.rope_theta == 500000.0
@@ -209,19 +247,54 @@ def test_chunked_prefill_mixed_with_decode(tiny, backend):
     assert (logits - ref).abs().max().item() <= TOL
 
 
-def test_qwen2_window_on_some_layers_only_is_refused():
+def test_unknown_architecture_lists_the_supported_ones():
+    from pagedserve.model.config import ModelConfig
+
+    cfg = _hf_config("llama").to_dict()
+    cfg["architectures"] = ["FalconForCausalLM"]
+    with pytest.raises(ValueError, match="FalconForCausalLM") as e:
+        ModelConfig.from_hf_dict(cfg)
+    for name in ("Gemma3ForCausalLM", "Gemma2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                 "LlamaForCausalLM", "gemma3"):
+        assert name in str(e.value)
+
+
+def test_qwen2_layer_types_decide_the_windows():
     from pagedserve.model.config import ModelConfig
 
     cfg = _hf_config("qwen2-window").to_dict()
     cfg["architectures"] = ["Qwen2ForCausalLM"]
     cfg["layer_types"] = ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match="sliding_window"):
-        ModelConfig.from_hf_dict(cfg)
+    assert [ModelConfig.from_hf_dict(cfg).layer_window(i) for i in range(2)] == [None, 5]
     cfg["layer_types"] = ["full_attention", "full_attention"]
     assert ModelConfig.from_hf_dict(cfg).sliding_window is None
     cfg["use_sliding_window"] = False
     cfg["layer_types"] = ["sliding_attention"] * 2
     assert ModelConfig.from_hf_dict(cfg).sliding_window is None
+    cfg["use_sliding_window"], cfg["layer_types"] = True, ["sliding_attention"]
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_longrope_switches_to_the_long_factors_past_the_original_length():
+    """Positions from original_max_position_embeddings on rotate with the long factors (transformers uses
+    them for every position once a sequence is that long; here each position decides by itself)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.model.config import ModelConfig
+
+    hf = AutoModelForCausalLM.from_config(_hf_config("phi3"))
+    cfg = ModelConfig.from_hf_dict(dict(hf.config.to_dict(), architectures=["Phi3ForCausalLM"]))
+    from pagedserve.model.layers import RotaryEmbedding
+
+    rot = RotaryEmbedding(cfg.rotary_dim, 256, cfg.rope_theta, cfg.rope_scaling)
+    emb = hf.model.rotary_emb
+    x = torch.zeros(1, 1, 16)
+    for length, positions in ((64, torch.arange(64)), (100, torch.arange(64, 100))):
+        cos, sin = emb(x, torch.arange(length).unsqueeze(0))  # transformers: factors for the whole length
+        ours_cos, ours_sin = rot.cos_sin(positions)
+        assert torch.allclose(ours_cos, cos[0, positions, : cfg.rotary_dim // 2], atol=1e-6)
+        assert torch.allclose(ours_sin, sin[0, positions, : cfg.rotary_dim // 2], atol=1e-6)
 
 
 def test_sharded_safetensors(tmp_path):
