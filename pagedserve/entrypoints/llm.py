@@ -16,6 +16,9 @@ from pagedserve.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        """model: a HF model directory, a .gguf file, a Hugging Face hub id `org/name` (or `org/name:QUANT`, one
+        GGUF of a GGUF repo; `revision=` picks a branch, tag or commit), or None for the bundled model;
+        kwargs: any other EngineConfig field."""
         unknown = set(kwargs) - set(EngineConfig.field_names())
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: unknown engine argument")

@@ -18,7 +18,7 @@ def run_kv(args: argparse.Namespace) -> int:
     else:
         from pagedserve.model.loader import load_model_config
 
-        cfg, name = load_model_config(args.model)
+        cfg, name = load_model_config(args.model, revision=args.revision)
         layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         max_len = cfg.max_position_embeddings
         source = f"model {name}"

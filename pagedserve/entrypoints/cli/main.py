@@ -27,7 +27,9 @@ def _add_generate(sub) -> None:
 
 def _add_kv(sub) -> None:
     p = sub.add_parser("kv", help="KV-cache arithmetic: bytes per block, blocks and tokens that fit")
-    p.add_argument("--model", default=None, help="read the numbers from a model (default: bundled, if no numbers)")
+    p.add_argument("--model", default=None, help="read the numbers from a model: a local path or a Hugging Face "
+                   "hub id org/name (default: bundled, if no numbers)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a hub model id (default: main)")
     p.add_argument("--layers", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
