@@ -7,15 +7,42 @@ and the text held back from streams are decided in engine/stop.py.
 
 from __future__ import annotations
 
+from importlib.resources import files
+
 from tokenizers.decoders import DecodeStream
 
 from pagedserve.model.loader import load_hf_tokenizer
 
+# Chat templates pagedserve supplies when a model's files carry none (GGUF conversions often drop it),
+# by architecture (model/config.py's names), and the token that ends such a model's turn (a stop token).
+SUPPLIED_CHAT_TEMPLATES = {"gemma2": "gemma.jinja", "gemma3": "gemma.jinja"}
+TURN_END_TOKENS = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
+
+
+def supplied_chat_template(architecture: str | None) -> str | None:
+    name = SUPPLIED_CHAT_TEMPLATES.get(architecture or "")
+    return None if name is None else files("pagedserve.chat_templates").joinpath(name).read_text()
+
 
 class Tokenizer:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, architecture: str | None = None) -> None:
+        """architecture: the model's (ModelConfig.architecture), for the chat template and turn-end token
+        pagedserve supplies when the files have none."""
         self.hf = load_hf_tokenizer(path)
         self.backend = self.hf.backend_tokenizer if hasattr(self.hf, "backend_tokenizer") else self.hf._tokenizer
+        self.chat_template_supplied = False
+        if not getattr(self.hf, "chat_template", None):
+            template = supplied_chat_template(architecture)
+            if template is not None:
+                self.hf.chat_template = template
+                self.chat_template_supplied = True
+        # Chat models end a turn with their own token (Gemma's <end_of_turn>), which is an EOS for them.
+        self.turn_end_token_ids: list[int] = []
+        piece = TURN_END_TOKENS.get(architecture or "")
+        if piece is not None:
+            tid = self.hf.convert_tokens_to_ids(piece)
+            if isinstance(tid, int) and tid != self.hf.unk_token_id:
+                self.turn_end_token_ids.append(tid)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

@@ -48,7 +48,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.served_model_name = config.served_model_name or loaded.name
-        self.tokenizer = Tokenizer(loaded.path)
+        self.tokenizer = Tokenizer(loaded.path, loaded.config.architecture)
         cfg = loaded.config
         self.max_model_len = self._max_model_len(config.max_model_len)
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -75,7 +75,7 @@ class LLMEngine:
         self.sample_to_parent: dict[str, ParentState] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=config.max_step_records)
         self.step_count = 0
-        self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(self.tokenizer.turn_end_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         # Running totals (metrics read these).
