@@ -75,6 +75,9 @@ class EngineConfig:
         "bf16_gemv", "decode-sized bf16 matmuls through the C++ GEMV (AVX512-BF16 builds)")
     gguf_gemv: bool = _env_knob(
         "gguf_gemv", "decode-sized matmuls read GGUF Q4_0/Q4_1/Q8_0 blocks directly (AVX-512 builds)")
+    gguf_in_place: bool = _env_knob(
+        "gguf_in_place", "matmuls and the embedding read a GGUF's quantized blocks in place (Q4_0/1, Q5_0/1, "
+        "Q8_0, Q4_K, Q5_K, Q6_K; needs the C++ kernels); off: dequantize at load into the model's dtype")
     decode_stack: bool = _env_knob(
         "decode_stack", "decode steps of up to 4 sequences run every layer in one C++ call")
     fixed_matmuls: bool | None = _env_knob(

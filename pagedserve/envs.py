@@ -24,6 +24,7 @@ class Environment:
     pack_weights: bool  # PAGEDSERVE_NO_PACK=1 -> False
     bf16_gemv: bool  # PAGEDSERVE_NO_GEMV=1 -> False
     gguf_gemv: bool  # PAGEDSERVE_NO_GGUF_GEMV=1 -> False
+    gguf_in_place: bool  # PAGEDSERVE_DEQUANTIZE_GGUF=1 -> False
     decode_stack: bool  # PAGEDSERVE_NO_DECODE_STACK=1 -> False
     keep_dequantized_weights: bool  # PAGEDSERVE_KEEP_DEQUANTIZED=1 -> True
     fixed_matmuls: bool | None  # PAGEDSERVE_FIXED_MATMULS=1 -> True, =0 -> False (unset: per CPU)
@@ -43,6 +44,7 @@ def read_environment() -> Environment:
         pack_weights=not _flag("PAGEDSERVE_NO_PACK"),
         bf16_gemv=not _flag("PAGEDSERVE_NO_GEMV"),
         gguf_gemv=not _flag("PAGEDSERVE_NO_GGUF_GEMV"),
+        gguf_in_place=not _flag("PAGEDSERVE_DEQUANTIZE_GGUF"),
         decode_stack=not _flag("PAGEDSERVE_NO_DECODE_STACK"),
         keep_dequantized_weights=_flag("PAGEDSERVE_KEEP_DEQUANTIZED"),
         fixed_matmuls={"1": True, "0": False}.get(env.get("PAGEDSERVE_FIXED_MATMULS", "")),

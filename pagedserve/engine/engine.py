@@ -25,6 +25,7 @@ from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.stats import EngineStats, RequestInfo
 from pagedserve.engine.trace import StepRecord
+from pagedserve.kernels import CpuKernels
 from pagedserve.model.loader import load_model, resolve_dtype
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling.metadata import RequestGenerators, SamplingMetadata
@@ -43,8 +44,11 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.num_threads or usable_cores())
         self.dtype = resolve_dtype(config.dtype)
+        # GGUF blocks are read in place through the C++ kernels (built once per process; the runner
+        # hands the same object to the model, the attention and the sampler).
+        kernels = CpuKernels.from_config(config) if config.gguf_in_place else None
         loaded = load_model(config.model, self.dtype, config.device, config.keep_dequantized_weights,
-                            revision=config.revision)
+                            revision=config.revision, kernels=kernels)
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.served_model_name = config.served_model_name or loaded.name
@@ -69,6 +73,9 @@ class LLMEngine:
         # The runner owns the C++ kernels (none with attention_backend="torch_ref": a pure-PyTorch
         # reference path end to end), the attention backend and the sampler.
         self.runner = ModelRunner(loaded.model, self.kv_caches, config, loaded.gguf_blocks)
+        self.weight_bytes = loaded.model.weight_bytes()  # after the matmul set-up (its packed copies count)
+        logger.info("weights: %s held in memory%s", human_bytes(self.weight_bytes),
+                    " (GGUF blocks read in place)" if loaded.model.holds_blocks else "")
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.generators = RequestGenerators()
         self.parents: dict[str, ParentState] = {}

@@ -3,7 +3,8 @@
 `CpuKernels.from_config(config)` builds (or loads) the extension once and says, in typed fields, what
 this engine may use: the fused elementwise ops, the paged decode attention and the batch-invariant
 matmul (every build), the bf16
-GEMV (AVX512-BF16 builds), the GEMVs over GGUF blocks (AVX-512 builds) and DecodeStack, each also
+GEMV (AVX512-BF16 builds), the GEMVs over GGUF blocks (AVX-512 builds), the matmuls and embedding lookup
+over GGUF blocks read in place (every build) and DecodeStack, each also
 switched by the engine config. The model runner hands the one object to the model, the attention
 backend and the sampler; None means "no C++ at all" (pure PyTorch).
 """
@@ -36,6 +37,8 @@ class CpuKernels:
     # Every matmul on the fixed-order C++ matmul (batch-invariant by construction). Default: on CPUs
     # without AVX-512, where it is also faster than the library GEMMs (benchmarks/README.md).
     fixed_matmuls: bool = False
+    # ggml type ids whose GGUF blocks quant_linear / quant_embedding read in place (every build).
+    quant_types: frozenset[int] = frozenset()
 
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
@@ -53,6 +56,7 @@ class CpuKernels:
             gguf_block_types=frozenset(t for t, *_ in ext.gguf_block_layouts()) if gguf else frozenset(),
             decode_stack=decode_stack,
             fixed_matmuls=(not ext.has_avx512()) if fixed_matmuls is None else fixed_matmuls,
+            quant_types=frozenset(ext.quant_types()),
         )
 
     @classmethod
@@ -101,3 +105,19 @@ class CpuKernels:
         """x @ w.T (+ bias) with one float32 FMA chain over k per output: a row's result is the same bits
         whatever else is in the batch."""
         return self.ext.fixed_linear(x, packed, n, bias, out_dtype)
+
+    # ---- GGUF quantized weights read in place (csrc/quant_gemm.cpp; every build) -------------------
+    def quant_pack(self, raw, type_id: int) -> list:
+        """GGUF blocks uint8 [N, row_bytes] of a type in `quant_types` -> the packed list quant_linear and
+        quant_embedding read: [uint8 [ceil(N/16), 16 * row_bytes]], the file's bytes regrouped by 16 rows
+        (no expansion; the only overhead is the zero rows padding N to a multiple of 16)."""
+        return self.ext.quant_pack(raw, type_id)
+
+    def quant_linear(self, x, packed, type_id: int, n: int, bias, out_dtype):
+        """x [M, K] (float32/bf16) @ W.T (+ bias), W the [n, K] float32 matrix gguf-py dequantizes: the same
+        bits as fixed_linear over that W, at every M and thread count (batch-invariant)."""
+        return self.ext.quant_linear(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
+
+    def quant_embedding(self, ids, packed, type_id: int, k: int, out_dtype):
+        """Rows `ids` (int64, any shape) of the dequantized [N, k] weight -> [*ids.shape, k] in out_dtype."""
+        return self.ext.quant_embedding(ids, packed, type_id, k, out_dtype)

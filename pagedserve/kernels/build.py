@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / f for f in (
-    "attention.cpp", "ops.cpp", "gguf_gemv.cpp", "fixed_gemm.cpp", "decode_stack.cpp", "bindings.cpp")]
+    "attention.cpp", "ops.cpp", "gguf_gemv.cpp", "fixed_gemm.cpp", "quant_gemm.cpp", "decode_stack.cpp",
+    "bindings.cpp")]
 HEADERS = [CSRC / f for f in ("common.h", "ops.h", "gguf_layouts.h", "fixed_tile.h")]
 
 

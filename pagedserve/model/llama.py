@@ -27,7 +27,7 @@ from pagedserve.model.layers import (
     gelu_tanh_and_mul,
     silu_and_mul,
 )
-from pagedserve.model.matmul import GEMV_MAX_ROWS, MatmulRoutes
+from pagedserve.model.matmul import GEMV_MAX_ROWS, MatmulRoutes, QuantPart, QuantTensor, Route
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 # Decode steps of up to this many sequences run all layers in one C++ call (kernels/csrc/decode_stack.cpp):
@@ -158,6 +158,10 @@ class LlamaForCausalLM(nn.Module):
         # The tied LM head's matmul (the embedding's weight); an untied head is a Linear with its own.
         self.tied_head_routes = MatmulRoutes()
         self.tied_head_routes.float32_out = True
+        self.embed_quant: QuantPart | None = None  # the embedding as GGUF blocks read in place (then meta)
+        self._stackable = True  # every layer matmul can run in DecodeStack (setup_matmuls decides)
+        self.embed_fixed: torch.Tensor | None = None  # the tied head's packed copy, when the plain one is released
+        self._block_kernels: CpuKernels | None = None  # the kernels that packed the GGUF blocks read in place
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU, DecodeStack), handed over by the model
         # runner through set_kernels; None: plain PyTorch.
         self.kernels: CpuKernels | None = None
@@ -192,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         # carries none.
         meta.sliding_window = None
         cfg = self.config
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if cfg.embed_scale is not None:  # Gemma: in the model's dtype, as transformers does
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         rope = self.rotary.cos_sin(positions)
@@ -223,6 +227,20 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_fixed is not None:  # rows of fixed_pack's [ceil(V/16), K, 16] layout
+            return self.embed_fixed[input_ids // 16, :, input_ids % 16]
+        if self.embed_quant is not None:
+            p = self.embed_quant
+            return self._block_kernels.quant_embedding(input_ids, p.packed, p.type_id, self.config.hidden_size,
+                                                       self.dtype)
+        return self.embed_tokens(input_ids)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights are always dense, in the model's dtype)."""
+        return self.norm.weight.dtype
+
     def _decode_stack_applies(self, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
         cfg = self.config
         windows_apply = cfg.has_sliding_window and max(meta.seq_lens_host, default=0) > (cfg.sliding_window or 0)
@@ -231,6 +249,7 @@ class LlamaForCausalLM(nn.Module):
             and self.kernels.decode_stack
             and cfg.plain_decoder
             and not windows_apply  # the C++ decode kernels have no window
+            and self._stackable
             and 0 < meta.num_seqs <= DECODE_STACK_MAX_SEQS
             and backend.runs_decode_kernel(meta)
         )
@@ -270,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
 
     def setup_matmuls(self, kernels: CpuKernels | None, *, pack: bool, batch_hint: int,
                       gguf_blocks: dict[str, tuple[int, torch.Tensor]] | None = None,
-                      batch_invariant: bool = False) -> list[MatmulRoutes]:
+                      batch_invariant: bool = False, release_plain: bool = False) -> list[MatmulRoutes]:
         """Choose every matmul's routes (model/matmul.py): oneDNN pre-packing where `pack` and the CPU
         has native bf16, the C++ bf16 GEMV and the GGUF-block GEMVs where `kernels` offer them (and the
         dtype lets every route use the same weight values); the LM head returns float32 logits. The GGUF
@@ -300,18 +319,27 @@ class LlamaForCausalLM(nn.Module):
         for routes, weight, qweight, head in matmuls:
             routes.setup(weight, kernels, pack=pack, batch_hint=batch_hint, qweight=qweight, float32_out=head,
                          batch_invariant=batch_invariant)
+        self._stackable = all(r.stackable for r, _, _, head in matmuls if not head)
         self._stack = None
+        if release_plain:
+            self._release_plain_weights()
         return [r for r, _, _, _ in matmuls]
 
     # ---- weights -------------------------------------------------------------------------------
-    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]], norm_offset: float = 0.0) -> None:
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]], norm_offset: float = 0.0,
+                        kernels: CpuKernels | None = None) -> None:
         """Load tensors named as in HF checkpoints, fusing q/k/v and gate/up on the way (Phi-3's come fused).
+
+        Each parameter is materialised from its tensor (in the parameter's dtype and device) as it arrives,
+        so a model built on the meta device never holds more than its weights. A QuantTensor (GGUF blocks
+        read in place; needs `kernels`) is packed for the C++ quantized matmul and its parameter stays on
+        the meta device: the blocks are the weight.
 
         norm_offset: added to every RMSNorm weight (in float32, before the cast): 1 for Gemma's HF
         checkpoints, whose norms scale by (1 + w), so every norm here is the plain x_hat * w (GGUF
         files store 1 + w already)."""
         params = dict(self.named_parameters())
-        pending: dict[str, dict[str, torch.Tensor]] = {}
+        pending: dict[str, dict[int, torch.Tensor | QuantTensor]] = {}
         loaded: set[str] = set()
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -326,24 +354,118 @@ class LlamaForCausalLM(nn.Module):
                 pending.setdefault(key, {})[slot] = tensor
                 if len(pending[key]) == (3 if target == "qkv_proj" else 2):
                     chunks = pending.pop(key)
-                    self._copy(params, key, torch.cat([chunks[i] for i in sorted(chunks)]), loaded)
+                    self._load(params, key, [chunks[i] for i in sorted(chunks)], loaded, kernels)
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still store a copy
             if norm_offset and name.endswith("norm.weight"):
                 tensor = tensor.float() + norm_offset
-            self._copy(params, name, tensor, loaded)
+            self._load(params, name, [tensor], loaded, kernels)
         missing = set(params) - loaded
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+        if self.lm_head is None and self.embed_quant is not None:
+            self.tied_head_routes.quant = [self.embed_quant]  # the tied head reads the same blocks
 
-    @staticmethod
-    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+    def _load(self, params: dict[str, nn.Parameter], name: str, tensors: list, loaded: set[str],
+              kernels: CpuKernels | None) -> None:
         if name not in params:
             raise ValueError(f"checkpoint has an unexpected weight {name!r}")
         p = params[name]
+        quant = [t for t in tensors if isinstance(t, QuantTensor)]
+        if quant and kernels is not None and name.endswith(".weight"):
+            rows = sum(t.shape[0] for t in tensors)
+            if len(quant) == len(tensors) and (rows, tensors[0].shape[1]) == tuple(p.shape):
+                self._load_quant(name, quant, kernels)
+                loaded.add(name)
+                return
+        dense = [self._dequantize(t, kernels) if isinstance(t, QuantTensor) else t for t in tensors]
+        tensor = dense[0] if len(dense) == 1 else torch.cat(dense)
         if tuple(p.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor.to(p.dtype))
+        module, attr = self._owner(name)
+        device = p.device if p.device.type != "meta" else torch.device("cpu")
+        setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=p.dtype).contiguous(), requires_grad=False))
         loaded.add(name)
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        path, _, attr = name.rpartition(".")
+        return self.get_submodule(path), attr
+
+    @staticmethod
+    def _dequantize(t: QuantTensor, kernels: CpuKernels | None) -> torch.Tensor:
+        """The float32 weight of blocks (a fused matmul whose parts are not all blocks widens them)."""
+        if kernels is None:
+            raise ValueError("model: GGUF blocks read in place need the C++ kernels")
+        packed = kernels.quant_pack(t.raw, t.type_id)
+        return kernels.quant_embedding(torch.arange(t.shape[0]), packed, t.type_id, t.shape[1], torch.float32)
+
+    def _load_quant(self, name: str, parts: list[QuantTensor], kernels: CpuKernels) -> None:
+        """Consecutive parts of one block type are packed together (one kernel call); the parameter stays
+        on the meta device."""
+        runs: list[list[QuantTensor]] = []
+        for t in parts:
+            if runs and runs[-1][-1].type_id == t.type_id:
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        quant = []
+        for run in runs:
+            raw = run[0].raw if len(run) == 1 else torch.cat([t.raw for t in run])
+            quant.append(QuantPart(run[0].type_id, kernels.quant_pack(raw.contiguous(), run[0].type_id),
+                                   sum(t.shape[0] for t in run)))
+        module, _ = self._owner(name)
+        self._block_kernels = kernels
+        if name == "embed_tokens.weight":
+            self.embed_quant = quant[0]
+        else:
+            module.routes.quant = quant
+
+    def _release_plain_weights(self) -> None:
+        """Replace every plain weight that no route reads by a meta tensor of its shape (see setup_matmuls)."""
+
+        def only_fixed(r: MatmulRoutes) -> bool:
+            return r.fixed is not None and r.few_rows == r.many_rows == Route.FIXED
+
+        def release(module: nn.Module) -> None:
+            w = module.weight
+            if w.device.type != "meta":
+                module.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+        for m in self.modules():
+            if isinstance(m, Linear) and only_fixed(m.routes):
+                release(m)
+        if self.lm_head is None and self.embed_quant is None and only_fixed(self.tied_head_routes):
+            self.embed_fixed = self.tied_head_routes.fixed
+            release(self.embed_tokens)
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Some weights are GGUF blocks read in place."""
+        return self.embed_quant is not None or any(r.quant for r in self.matmul_routes())
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this model holds (dense parameters, GGUF blocks, packed copies), each
+        storage counted once."""
+        seen: dict[int, int] = {}
+
+        def add(t: torch.Tensor | None) -> None:
+            if t is None or t.device.type == "meta" or t.numel() == 0:
+                return
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+
+        for p in self.parameters():
+            add(p)
+        parts = [self.embed_quant] if self.embed_quant is not None else []
+        for r in self.matmul_routes():
+            for t in (r.packed, r.fixed, r.weight_f32):
+                add(t)
+            if r.qgemv is not None:
+                for t in r.qgemv.tensors():
+                    add(t)
+            parts += r.quant or []
+        for part in parts:
+            for t in part.packed:
+                add(t)
+        return sum(seen.values())

@@ -21,10 +21,10 @@ import torch
 
 from pagedserve.config import canonical_dtype
 from pagedserve.envs import ENV
-from pagedserve.kernels import cpu_info
+from pagedserve.kernels import CpuKernels, cpu_info
 from pagedserve.model.config import ARCH_BY_GGUF, ModelConfig, unsupported_architecture
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.matmul import GGUF_TYPE_IDS
+from pagedserve.model.matmul import GGUF_TYPE_IDS, QuantTensor
 
 logger = logging.getLogger(__name__)
 
@@ -105,16 +105,25 @@ class LoadedModel:
 
 def load_model(
     model: str | None, dtype: str | torch.dtype = "float32", device: str = "cpu", keep_dequantized: bool = False,
-    *, revision: str | None = None,
+    *, revision: str | None = None, kernels: CpuKernels | None = None,
 ) -> LoadedModel:
     """keep_dequantized: keep the last GGUF's dequantized weights in memory (see _dequantized_gguf);
-    revision: of a Hugging Face hub id (see resolve_model)."""
+    revision: of a Hugging Face hub id (see resolve_model); kernels: the C++ kernels, to read a GGUF's
+    quantized weights in place (every block type they read stays as blocks: no dense copy is made).
+
+    Weights are materialised one by one into a model built on the meta device, so loading never holds
+    more than the weights plus the tensor being converted."""
     path, name = resolve_model(model, revision=revision)
     torch_dtype = resolve_dtype(dtype)
     blocks: dict[str, tuple[int, torch.Tensor]] | None = None
+    in_place = kernels.quant_types if kernels is not None and device == "cpu" else frozenset()
     if os.path.isdir(path):
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
+    elif path.endswith(".gguf") and in_place:
+        reader = _gguf_reader(path)
+        cfg = gguf_config(reader)
+        weights = iter_gguf_tensors(reader, cfg, in_place=in_place)
     elif path.endswith(".gguf"):
         if keep_dequantized:
             cfg, weights, cached_blocks = _dequantized_gguf(path, os.stat(path).st_mtime_ns)
@@ -127,13 +136,60 @@ def load_model(
     else:
         raise ValueError(f"model: {path!r} is neither a directory with config.json nor a .gguf file")
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg)
-    net = net.to_empty(device=device).to(torch_dtype)
-    net.build_rotary(device)  # float32 tables (to_empty left the meta ones uninitialised)
+        net = LlamaForCausalLM(cfg).to(torch_dtype)
     from_hf = os.path.isdir(path)
-    net.load_hf_weights(weights, norm_offset=1.0 if from_hf and cfg.spec.gemma_norms else 0.0)
+    net.load_hf_weights(weights, norm_offset=1.0 if from_hf and cfg.spec.gemma_norms else 0.0,
+                        kernels=kernels if in_place else None)
+    if device != "cpu":
+        net.to(device)
+    net.build_rotary(device)  # float32 tables (the meta ones were never computed)
     net.eval()
+    _return_freed_memory()
     return LoadedModel(net, cfg, path, name, blocks or None)
+
+
+# ggml type ids the C++ kernels read in place (csrc/quant_gemm.cpp's quant_types; a test checks the two).
+IN_PLACE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+
+
+def estimate_weight_bytes(model: str | None, elem: int, *, revision: str | None = None,
+                          in_place: bool = True) -> int:
+    """The bytes a model's weights take once loaded, without loading them: a GGUF's quantized matrices as
+    stored (read in place), its other tensors and every tensor of a checkpoint at `elem` bytes each."""
+    path, _ = resolve_model(model, revision=revision)
+    total = 0
+    if os.path.isdir(path):
+        from safetensors import safe_open
+
+        for file in safetensors_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key == "lm_head.weight" and load_hf_config(path).tie_word_embeddings:
+                        continue
+                    n = 1
+                    for d in f.get_slice(key).get_shape():
+                        n *= d
+                    total += n * elem
+        return total
+    for t in _gguf_reader(path).tensors:
+        if in_place and int(t.tensor_type) in IN_PLACE_TYPES and len(t.shape) == 2:
+            total += int(t.n_bytes)
+        else:
+            total += int(t.n_elements) * elem
+    return total
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap that loading freed back to the OS (glibc keeps it otherwise: gguf-py's reader builds a
+    Python object per vocabulary entry, hundreds of MB for a 262k vocabulary, all freed after the load)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def load_model_config(model: str | None, *, revision: str | None = None) -> tuple[ModelConfig, str]:
@@ -329,13 +385,25 @@ def _dequantized_gguf(path: str, mtime_ns: int):
 
 
 def iter_gguf_tensors(
-    reader, cfg: ModelConfig, blocks: dict[str, tuple[int, torch.Tensor]] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    reader, cfg: ModelConfig, blocks: dict[str, tuple[int, torch.Tensor]] | None = None,
+    in_place: frozenset[int] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """(HF name, float32 weight) for every tensor; with `blocks`, also keep each Q4_0/Q4_1/Q8_0
-    tensor's raw blocks there (rows un-permuted like the weight; the types of matmul.GGUF_BLOCK_LAYOUTS)."""
+    tensor's raw blocks there (rows un-permuted like the weight; the types of matmul.GGUF_BLOCK_LAYOUTS).
+    A 2-D tensor whose ggml type id is in `in_place` comes as a QuantTensor (its blocks, never widened)."""
     import numpy as np
 
     for t in reader.tensors:
+        if int(t.tensor_type) in in_place and len(t.shape) == 2:
+            name = gguf_to_hf_name(t.name, cfg.architecture)
+            if name is None:
+                raise ValueError(f"GGUF tensor {t.name!r} is not a known {cfg.architecture} weight")
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(rows, -1)
+            if cfg.spec.permute_gguf_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                raw = unpermute_qk(raw, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+            yield name, QuantTensor(int(t.tensor_type), raw.contiguous(), (rows, cols))
+            continue
         name = gguf_to_hf_name(t.name, cfg.architecture)
         if name is None:
             if t.name in _GGUF_CONFIG_TENSORS:

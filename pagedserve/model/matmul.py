@@ -80,6 +80,32 @@ class Route(enum.IntEnum):
     PACKED = 4  # oneDNN, weight pre-packed
     FIXED = 5  # the batch-invariant C++ matmul (csrc/fixed_gemm.cpp) over its packed weight
     LINEAR_F32 = 6  # F.linear in float32 over a float32 copy of a bf16 weight (a bf16 LM head, many rows)
+    QUANT = 7  # GGUF quantized blocks read in place at every row count (csrc/quant_gemm.cpp)
+
+
+@dataclass(slots=True)
+class QuantTensor:
+    """A GGUF weight as read (the loader yields these for block types read in place): ggml type id, uint8
+    blocks [rows, row_bytes] (rows in the HF order: llama.cpp's q/k permutation undone), [rows, cols]."""
+
+    type_id: int
+    raw: torch.Tensor
+    shape: tuple[int, int]
+
+
+@dataclass(slots=True)
+class QuantPart:
+    """Rows [n] of a matmul's weight held as GGUF blocks (quant_pack's layout): the weight is exactly the
+    float32 matrix gguf-py dequantizes, never widened into memory. A fused matmul whose parts have
+    different block types (Gemma's q/k Q5_0 beside v Q8_0) holds one part per run of equal types."""
+
+    type_id: int
+    packed: list[torch.Tensor]
+    n: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.packed)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,6 +211,8 @@ class MatmulRoutes:
         self.fixed: torch.Tensor | None = None  # the weight packed for the FIXED route
         self.weight_f32: torch.Tensor | None = None  # for the LINEAR_F32 route
         self.float32_out = False
+        # Set by the loader for GGUF weights read in place (then the module's weight is a meta tensor).
+        self.quant: list[QuantPart] | None = None
 
     def setup(self, weight: torch.Tensor, kernels: CpuKernels | None, *, pack: bool, batch_hint: int,
               qweight: tuple[int, torch.Tensor] | None = None, float32_out: bool = False,
@@ -194,6 +222,11 @@ class MatmulRoutes:
         row count on the fixed-order matmul (needs `kernels`)."""
         self.kernels, self.float32_out = kernels, float32_out
         self.packed = self.fixed = self.weight_f32 = self.gemv = self.qgemv = None
+        if self.quant is not None:  # the blocks, at every row count (batch-invariant by construction)
+            if kernels is None:
+                raise ValueError("model: quantized weights read in place need the C++ kernels")
+            self.few_rows = self.many_rows = Route.QUANT
+            return
         bf16 = weight.dtype == torch.bfloat16
         if batch_invariant and kernels is None:
             raise ValueError("batch_invariant: needs the C++ kernels (they could not be built or are off)")
@@ -228,6 +261,8 @@ class MatmulRoutes:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+        if route == Route.QUANT:
+            return self._quant(x, bias)
         if route == Route.FIXED:
             out_dtype = torch.float32 if self.float32_out else x.dtype
             return self.kernels.fixed_linear(x, self.fixed, weight.shape[0], bias, out_dtype)
@@ -245,12 +280,35 @@ class MatmulRoutes:
         # with float32_out (only plain, never-set-up routes reach this with bf16 and upcast).
         return y.float() if self.float32_out else y
 
+    def _quant(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out_dtype = torch.float32 if self.float32_out else x.dtype
+        k = self.kernels
+        if len(self.quant) == 1:
+            p = self.quant[0]
+            return k.quant_linear(x, p.packed, p.type_id, p.n, bias, out_dtype)
+        outs, start = [], 0
+        for p in self.quant:
+            b = None if bias is None else bias[start : start + p.n]
+            outs.append(k.quant_linear(x, p.packed, p.type_id, p.n, b, out_dtype))
+            start += p.n
+        return torch.cat(outs, dim=-1)
+
+    @property
+    def stackable(self) -> bool:
+        """DecodeStack can run this matmul (one kernel call: not a quantized weight of several parts)."""
+        return self.quant is None or len(self.quant) == 1
+
     def decode_spec(self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None):
         """This matmul's few-rows route as DecodeStack's MatmulSpec (PACKED runs as LINEAR there: the
         packed matmul gives F.linear's numbers)."""
         if self.float32_out:
             raise ValueError("decode_spec: a float32-out matmul (the LM head) is not part of DecodeStack")
         route = Route.LINEAR if self.few_rows == Route.PACKED else self.few_rows
+        if route == Route.QUANT:
+            if not self.stackable:
+                raise ValueError("decode_spec: a quantized matmul of several block types is not part of DecodeStack")
+            p = self.quant[0]
+            return kernels.ext.MatmulSpec(int(route), weight, bias, list(p.packed), p.type_id)
         if route == Route.FIXED:
             return kernels.ext.MatmulSpec(int(route), weight, bias, [self.fixed], 0)
         q = self.qgemv.tensors() if self.qgemv is not None else []

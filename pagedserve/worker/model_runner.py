@@ -53,8 +53,10 @@ class ModelRunner:
                 raise ValueError("batch_invariant: attention soft-capping (Gemma 2) is not supported in the "
                                  "strict mode")
         if config.device == "cpu":
+            # Each weight held once: a plain weight no route reads is released (the runner owns its model).
             routes = model.setup_matmuls(self.kernels, pack=config.pack_weights, batch_hint=config.max_num_seqs,
-                                         gguf_blocks=gguf_blocks, batch_invariant=config.batch_invariant)
+                                         gguf_blocks=gguf_blocks, batch_invariant=config.batch_invariant,
+                                         release_plain=True)
             few = {r.few_rows for r in routes}
             if any(r.many_rows == Route.PACKED for r in routes):
                 logger.info("bf16 matmul weights pre-packed for oneDNN (AMX / AVX512-BF16)%s",

@@ -11,17 +11,18 @@ def run_kv(args: argparse.Namespace) -> int:
     explicit = (args.layers, args.kv_heads, args.head_dim)
     if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
         raise ValueError("layers/kv-heads/head-dim: give all three, or --model")
-    max_len = None
+    max_len = weights = None
     if all(v is not None for v in explicit):
         layers, kv_heads, head_dim = explicit
         source = "explicit numbers"
     else:
-        from pagedserve.model.loader import load_model_config
+        from pagedserve.model.loader import estimate_weight_bytes, load_model_config
 
         cfg, name = load_model_config(args.model, revision=args.revision)
         layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         max_len = cfg.max_position_embeddings
         source = f"model {name}"
+        weights = estimate_weight_bytes(args.model, dtype_bytes(args.dtype), revision=args.revision)
     elem = dtype_bytes(args.dtype)
     block = bytes_per_block(layers, kv_heads, head_dim, args.block_size, elem)
     print(f"KV cache block ({source}, {args.dtype}):")
@@ -30,6 +31,9 @@ def run_kv(args: argparse.Namespace) -> int:
         f" × {elem} bytes = {block} bytes ({human_bytes(block)}) per block"
     )
     print(f"  = {human_bytes(block / args.block_size)} per token")
+    if weights is not None:
+        print(f"weights ({source}, other tensors in {args.dtype}): {human_bytes(weights)} held in memory "
+              "(GGUF quantized matrices as stored, read in place)")
     if args.request_len is not None and args.request_len < 1:
         raise ValueError(f"request-len: must be >= 1, got {args.request_len}")
     req_len = args.request_len or max_len

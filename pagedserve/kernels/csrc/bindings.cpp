@@ -31,6 +31,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fixed_pack", &pagedserve::fixed_pack, "pack [N, K] for fixed_linear: [ceil(N/16), K, 16]");
   m.def("fixed_linear", &pagedserve::fixed_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
         py::arg("out_dtype"), "batch-invariant x @ w.T (+ bias): one FMA chain over k per output");
+  m.def("quant_types", &pagedserve::quant_types,
+        "the ggml type ids quant_pack / quant_linear / quant_embedding read (Q4_0 ... Q6_K)");
+  m.def("quant_pack", &pagedserve::quant_pack, py::arg("raw"), py::arg("type_id"),
+        "GGUF rows of blocks uint8 [N, row_bytes] -> [packed] (16 rows per panel, bytes regrouped, not expanded)");
+  m.def("quant_linear", &pagedserve::quant_linear, py::arg("x"), py::arg("packed"), py::arg("type_id"), py::arg("n"),
+        py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
+        "x @ W.T (+ bias), W read from quant_pack's blocks: fixed_linear's FMA chains over the dequantized W");
+  m.def("quant_embedding", &pagedserve::quant_embedding, py::arg("ids"), py::arg("packed"), py::arg("type_id"),
+        py::arg("k"), py::arg("out_dtype"), "rows of the dequantized weight (gguf-py's float32 values, then cast)");
   m.def("gguf_block_layouts", []() {
     // (type id, name, block bytes, quant offset, quant bytes, min offset): the C++ side of the table in
     // pagedserve/model/matmul.py.

@@ -7,6 +7,7 @@
 //   attention -> o matmul -> residual add + norm -> gate_up matmul -> SwiGLU -> down matmul.
 // Each matmul runs the route Python chose for it at load (pagedserve/model/matmul.py); nothing is
 // decided here.
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -16,17 +17,22 @@ namespace pagedserve {
 
 // How a matmul of a few rows runs. The values are pagedserve/model/matmul.py's Route (a test checks them
 // through the `matmul_routes` binding).
-enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3, kFixed = 5 };
+enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3, kFixed = 5, kQuant = 7 };
 
 // One matmul: its route, the plain weight and bias, and for the GGUF routes the block tensors
 // ([blocks] in GGUF's row layout, or [qs, scales, mins] regrouped by 16 rows; mins empty unless Q4_1),
-// for the batch-invariant route the weight packed by fixed_pack ([packed]; output in x's dtype).
+// for the batch-invariant route the weight packed by fixed_pack ([packed]; output in x's dtype), for the
+// quantized route quant_pack's list with qtype the ggml type id and n the output columns (no dense weight:
+// `weight` may be undefined; output in x's dtype).
 struct MatmulSpec {
   int64_t route;
   torch::Tensor weight;
   c10::optional<torch::Tensor> bias;
   std::vector<torch::Tensor> q;
   int64_t qtype;
+  int64_t n = -1;  // output columns; -1: weight.size(0)
+
+  int64_t out_features() const { return n >= 0 ? n : (weight.defined() && weight.dim() == 2 ? weight.size(0) : -1); }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (route) {
@@ -36,6 +42,7 @@ struct MatmulSpec {
       case kGgufRows: return gemv_gguf(x, q[0], qtype, bias);
       case kBf16Gemv: return gemv_bf16(x, weight, bias);
       case kFixed: return fixed_linear(x, q[0], weight.size(0), bias, x.scalar_type());
+      case kQuant: return quant_linear(x, q, qtype, out_features(), x.size(1), bias, x.scalar_type());
       default: return at::linear(x, weight, bias);
     }
   }
@@ -58,10 +65,17 @@ class DecodeStack {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     for (const auto& l : layers_) {
       for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-        const size_t need = m->route == kGgufR16 ? 3 : ((m->route == kGgufRows || m->route == kFixed) ? 1 : 0);
-        const bool known = (m->route >= kLinear && m->route <= kGgufR16) || m->route == kFixed;
+        const size_t need =
+            m->route == kGgufR16 ? 3 : ((m->route == kGgufRows || m->route == kFixed || m->route == kQuant) ? 1 : 0);
+        const bool known = (m->route >= kLinear && m->route <= kGgufR16) || m->route == kFixed || m->route == kQuant;
         TORCH_CHECK(known && m->q.size() == need,
                     "DecodeStack: matmul route ", m->route, " with ", m->q.size(), " block tensors");
+        if (m->route == kQuant) {
+          const auto types = quant_types();
+          TORCH_CHECK(std::find(types.begin(), types.end(), m->qtype) != types.end() && m->out_features() >= 1,
+                      "DecodeStack: a quantized matmul needs a quant_types() type id and n (got ", m->qtype, ", ",
+                      m->out_features(), ")");
+        }
       }
     }
   }
@@ -105,9 +119,13 @@ class DecodeStack {
 void bind_decode_stack(pybind11::module& m) {
   namespace py = pybind11;
   // module_local: two builds of these kernels (native and portable) may be loaded in one process.
+  // weight may be None (the quantized route keeps no dense weight); n: output columns, needed then.
   py::class_<MatmulSpec>(m, "MatmulSpec", py::module_local())
-      .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>, std::vector<torch::Tensor>, int64_t>(),
-           py::arg("route"), py::arg("weight"), py::arg("bias"), py::arg("q"), py::arg("qtype"));
+      .def(py::init([](int64_t route, c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> bias,
+                       std::vector<torch::Tensor> q, int64_t qtype, int64_t n) {
+             return MatmulSpec{route, weight.value_or(torch::Tensor()), std::move(bias), std::move(q), qtype, n};
+           }),
+           py::arg("route"), py::arg("weight"), py::arg("bias"), py::arg("q"), py::arg("qtype"), py::arg("n") = -1);
   py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local())
       .def(py::init<torch::Tensor, torch::Tensor, MatmulSpec, MatmulSpec, MatmulSpec, MatmulSpec, torch::Tensor,
                     torch::Tensor>(),
@@ -120,7 +138,8 @@ void bind_decode_stack(pybind11::module& m) {
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("matmul_routes", []() {
     return std::vector<std::pair<std::string, int64_t>>{
-        {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16}, {"fixed", kFixed}};
+        {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16},
+        {"fixed", kFixed}, {"quant", kQuant}};
   });
 }
 

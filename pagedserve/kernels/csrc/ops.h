@@ -24,4 +24,11 @@ torch::Tensor gemv_gguf_r16(torch::Tensor x, torch::Tensor qs, torch::Tensor sca
 torch::Tensor fixed_pack(torch::Tensor w);
 torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                            c10::ScalarType out_dtype);
+// GGUF quantized weights read in place, batch-invariant (quant_gemm.cpp).
+std::vector<int64_t> quant_types();
+std::vector<torch::Tensor> quant_pack(torch::Tensor raw, int64_t type);
+torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
+                           c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype);
+torch::Tensor quant_embedding(torch::Tensor ids, std::vector<torch::Tensor> packed, int64_t type, int64_t K,
+                              c10::ScalarType out_dtype);
 }  // namespace pagedserve

@@ -1,0 +1,747 @@
+// Matmuls and the embedding lookup straight from GGUF quantized blocks, for every row count, batch-invariant.
+//
+// A GGUF model's weights are these blocks; the float32 matrix W every reference computes with is what
+// gguf-py's dequantize gives. Here no dense copy of W is kept: each kernel widens the blocks to exactly
+// those float32 values (every product in the formulas below is exact in float32 -- an fp16 scale times
+// integers of at most 13 bits together -- so only the final `+ m` / `- dmin * m` rounds, once, as in
+// gguf-py) and multiplies with float32 activations. Every output is ONE float32 FMA chain, as
+// fixed_gemm.cpp's fixed_linear:
+//   acc = 0; for k = 0 .. K-1: acc = fma(x[m, k], W[n, k], acc);  y[m, n] = acc (+ bias[n])
+// so quant_linear(x, quant_pack(raw)) is bit-identical to fixed_linear(x, fixed_pack(dequantize(raw)))
+// whatever M is, which row m is and how many threads run.
+//
+// Packed layout (quant_pack): one uint8 tensor [ceil(N / 16), 16 * row_bytes]. Panel p holds rows
+// 16p .. 16p+15 (rows past N are zero bytes, which decode to 0: the only overhead, under 16 rows of the
+// file's bytes). Within a panel, GGUF block b of the 16 rows is 16 * block_bytes bytes, its fields
+// regrouped so that one 16-byte load gives a byte of every row (one vector lane per output row):
+// fp16 fields (d, m, dmin) as 16 consecutive halves, every other field "byte-planar": byte j of the
+// field for row r at field_offset + 16 * j + r. The bytes are the file's bytes, only moved: the 6-bit
+// K-quant scales are unpacked in the kernels. (kQuantTypes lists each type's fields.)
+//
+// Kernels. Few rows (M <= 4, decode; bound by reading and widening the weights): a GEMV that widens one k of 16
+// rows at a time in registers (one 16-byte load, a few integer ops, two int -> float conversions and the scale
+// multiplies) straight into the FMAs, over 1-2 panels at once so that 4-8 independent chains hide the FMA latency,
+// with software prefetch ahead of the panel streams. Many rows (prefill; compute-bound): per block of ~256 KB of x
+// rows, each panel's weights are widened one 256-k slice at a time into a 16 KB float32 buffer [k][16 rows]
+// (L1-resident) that 6-row x 16-column register tiles (fixed_gemm.cpp's scheme) run over; the chains continue
+// across slices through stored accumulators (stored and reloaded exactly). Threads split the panels; an output is
+// computed by one thread from k = 0 to K-1.
+//
+// AVX2 + FMA + F16C intrinsics (FMAs opaque to -ffast-math's reassociation; the decode's arithmetic is
+// exact products and one add, so contraction or reordering cannot change it); without them a scalar path
+// (std::fma, the same chains; few rows run the many-rows scheme there) gives the same bits. Nothing
+// beyond AVX2 is used, so an AVX-512 build (-march=native) runs these same kernels.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDSERVE_QUANT_AVX2 1
+#endif
+
+namespace pagedserve {
+// The internals live in their own namespace: gguf_layouts.h's pagedserve::kQ4_0 ... must not collide with
+// these where both are seen (bindings.cpp compiles this file, see there).
+namespace quant_detail {
+namespace {
+
+// ---- the block formats -------------------------------------------------------------------------------
+
+// One field of a GGUF block: `len` bytes at raw_off in the file's block, regrouped for 16 rows at
+// packed_off of the packed block: fp16 fields row after row (packed_off + 2 r), others byte-planar.
+struct Field {
+  int16_t raw_off, len, packed_off;
+  bool planar;
+};
+
+struct QuantType {
+  int64_t id;
+  const char* name;
+  int64_t block_size;   // weights per block
+  int64_t block_bytes;  // bytes per block in the file (and per row in a packed block)
+  int nfields;
+  Field f[5];
+};
+
+// ggml type ids (gguf.GGMLQuantizationType). Packed offsets: see the decoders below.
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+constexpr QuantType kQuantTypes[] = {
+    {kQ4_0, "Q4_0", 32, 18, 2, {{0, 2, 0, false}, {2, 16, 32, true}}},                      // d, qs
+    {kQ4_1, "Q4_1", 32, 20, 3, {{0, 2, 0, false}, {2, 2, 32, false}, {4, 16, 64, true}}},  // d, m, qs
+    {kQ5_0, "Q5_0", 32, 22, 3, {{0, 2, 0, false}, {2, 4, 32, true}, {6, 16, 96, true}}},   // d, qh, qs
+    {kQ5_1, "Q5_1", 32, 24, 4, {{0, 2, 0, false}, {2, 2, 32, false}, {4, 4, 64, true}, {8, 16, 128, true}}},
+    {kQ8_0, "Q8_0", 32, 34, 2, {{0, 2, 0, false}, {2, 32, 32, true}}},  // d, qs
+    // d, dmin, scales (12), qs (128)
+    {kQ4_K, "Q4_K", 256, 144, 4, {{0, 2, 0, false}, {2, 2, 32, false}, {4, 12, 64, true}, {16, 128, 256, true}}},
+    // d, dmin, scales (12), qh (32), qs (128)
+    {kQ5_K, "Q5_K", 256, 176, 5,
+     {{0, 2, 0, false}, {2, 2, 32, false}, {4, 12, 64, true}, {16, 32, 256, true}, {48, 128, 768, true}}},
+    // file: ql (128), qh (64), scales (16 int8), d; packed: d, scales, ql, qh
+    {kQ6_K, "Q6_K", 256, 210, 4, {{208, 2, 0, false}, {192, 16, 32, true}, {0, 128, 288, true}, {128, 64, 2336, true}}},
+};
+
+constexpr QuantType quant_type(int64_t id) {
+  for (const auto& t : kQuantTypes) {
+    if (t.id == id) return t;
+  }
+  return {id, "", 0, 0, 0, {}};
+}
+
+const QuantType& checked_type(int64_t id, const char* what) {
+  for (const auto& t : kQuantTypes) {
+    if (t.id == id) return t;
+  }
+  TORCH_CHECK(false, what, ": ggml type ", id, " is not one of the quantized types read in place");
+  return kQuantTypes[0];
+}
+
+inline int64_t packed_index(const Field& f, int64_t j, int64_t r) {
+  return f.planar ? f.packed_off + j * 16 + r : f.packed_off + r * f.len + j;
+}
+
+// The file's block of row r (of 16) out of a packed block, and back.
+inline void gather_row(const QuantType& t, const uint8_t* pb, int64_t r, uint8_t* blk) {
+  for (int i = 0; i < t.nfields; ++i)
+    for (int64_t j = 0; j < t.f[i].len; ++j) blk[t.f[i].raw_off + j] = pb[packed_index(t.f[i], j, r)];
+}
+inline void scatter_row(const QuantType& t, const uint8_t* blk, uint8_t* pb, int64_t r) {
+  for (int i = 0; i < t.nfields; ++i)
+    for (int64_t j = 0; j < t.f[i].len; ++j) pb[packed_index(t.f[i], j, r)] = blk[t.f[i].raw_off + j];
+}
+
+// ---- scalar dequantization of one file block (gguf-py's quants.py, operation by operation) ------------
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+  uint32_t u;
+  if (e == 0) {  // zero or subnormal: mant * 2^-24, exact in float32
+    const float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else if (e == 31) {
+    u = sign | 0x7F800000u | (mant << 13);
+  } else {
+    u = sign | ((e + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Q4_K/Q5_K's 6-bit scale and min of sub-block s (quants.py: Q4_K.get_scale_min).
+inline void k_scale_min(const uint8_t* sc, int s, int& scale, int& mn) {
+  if (s < 4) {
+    scale = sc[s] & 0x3F;
+    mn = sc[s + 4] & 0x3F;
+  } else {
+    scale = (sc[s + 4] & 0x0F) | ((sc[s - 4] >> 2) & 0x30);
+    mn = (sc[s + 4] >> 4) | ((sc[s] >> 2) & 0x30);
+  }
+}
+
+template <int64_t T>
+void dequant_block(const uint8_t* b, float* out) {
+  if constexpr (T == kQ4_0 || T == kQ4_1) {
+    const float d = half_to_float(b);
+    const uint8_t* qs = b + (T == kQ4_0 ? 2 : 4);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = qs[j] & 0x0F, hi = qs[j] >> 4;
+      if constexpr (T == kQ4_0) {
+        out[j] = d * static_cast<float>(lo - 8);
+        out[j + 16] = d * static_cast<float>(hi - 8);
+      } else {
+        const float m = half_to_float(b + 2);
+        out[j] = d * static_cast<float>(lo) + m;
+        out[j + 16] = d * static_cast<float>(hi) + m;
+      }
+    }
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    const float d = half_to_float(b);
+    const uint8_t* qhp = b + (T == kQ5_0 ? 2 : 4);
+    const uint8_t* qs = qhp + 4;
+    const uint32_t qh = static_cast<uint32_t>(qhp[0]) | (static_cast<uint32_t>(qhp[1]) << 8) |
+                        (static_cast<uint32_t>(qhp[2]) << 16) | (static_cast<uint32_t>(qhp[3]) << 24);
+    for (int j = 0; j < 32; ++j) {
+      const int lo = j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+      const int q = lo | static_cast<int>(((qh >> j) & 1u) << 4);
+      if constexpr (T == kQ5_0) {
+        out[j] = d * static_cast<float>(q - 16);
+      } else {
+        out[j] = d * static_cast<float>(q) + half_to_float(b + 2);
+      }
+    }
+  } else if constexpr (T == kQ8_0) {
+    const float d = half_to_float(b);
+    for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t* sc = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (T == kQ4_K ? 16 : 48);
+    for (int s = 0; s < 8; ++s) {
+      int scale, mn;
+      k_scale_min(sc, s, scale, mn);
+      const float ds = d * static_cast<float>(scale), dm = dmin * static_cast<float>(mn);
+      for (int i = 0; i < 32; ++i) {
+        int q = (qs[(s / 2) * 32 + i] >> (4 * (s & 1))) & 0x0F;
+        if constexpr (T == kQ5_K) q |= ((qh[i] >> s) & 1) << 4;
+        out[s * 32 + i] = ds * static_cast<float>(q) - dm;
+      }
+    }
+  } else {  // Q6_K
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_to_float(b + 208);
+    for (int w = 0; w < 256; ++w) {
+      const int lo = (ql[(w / 128) * 64 + w % 64] >> (4 * ((w / 64) % 2))) & 0x0F;
+      const int hi = (qh[(w / 128) * 32 + w % 32] >> (2 * ((w / 32) % 4))) & 0x03;
+      const float ds = d * static_cast<float>(sc[w / 16]);
+      out[w] = ds * static_cast<float>((lo | (hi << 4)) - 32);
+    }
+  }
+}
+
+// ---- widening a 32-k sub-block of a packed block: out[i * 16 + r] = W[row r, k0 + i] ------------------
+
+#ifdef PAGEDSERVE_QUANT_AVX2
+inline __m128i ld(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline void halves(const uint8_t* p, __m256& lo, __m256& hi) {  // 16 fp16 values
+  lo = _mm256_cvtph_ps(ld(p));
+  hi = _mm256_cvtph_ps(ld(p + 16));
+}
+inline __m256 u8lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline __m256 u8hi(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))); }
+inline __m256 i8lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+inline __m256 i8hi(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))); }
+inline __m128i bytes(int v) { return _mm_set1_epi8(static_cast<char>(v)); }
+// (v >> sh) & 0xF per byte.
+inline __m128i nibble(__m128i v, int sh) { return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(sh)), bytes(0x0F)); }
+// ((v >> bit) & 1) << 4 per byte.
+inline __m128i bit4(__m128i v, int bit) {
+  const __m128i m = bytes(1 << bit);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, m), m), bytes(0x10));
+}
+inline void put(float* o, __m256 a, __m256 b) {
+  _mm256_storeu_ps(o, a);
+  _mm256_storeu_ps(o + 8, b);
+}
+
+// The weights of one k (i of a 32-k sub-block s) for the 16 rows of a packed block, as two float32 vectors
+// (rows 0-7, 8-15). init() reads the sub-block's scales once; get<HI>(i) widens k = i (HI: k = 16 + i).
+template <int64_t T>
+struct Widen {
+  const uint8_t* q;  // the quant plane of the sub-block
+  const uint8_t* h;  // the high-bit plane (Q5_0, Q5_1, Q5_K, Q6_K)
+  int sh, hs;        // nibble shift (K-quants), high-bit shift (Q5_K: bit, Q6_K: shift)
+  __m256 a0, a1, b0, b1;  // d (or d * scale), and m (or dmin * min, or Q6_K's second scale)
+
+  inline void init(const uint8_t* pb, int s) {
+    halves(pb, a0, a1);
+    if constexpr (T == kQ8_0 || T == kQ4_0) {
+      q = pb + 32;
+    } else if constexpr (T == kQ4_1) {
+      halves(pb + 32, b0, b1);
+      q = pb + 64;
+    } else if constexpr (T == kQ5_0) {
+      h = pb + 32;
+      q = pb + 96;
+    } else if constexpr (T == kQ5_1) {
+      halves(pb + 32, b0, b1);
+      h = pb + 64;
+      q = pb + 128;
+    } else if constexpr (T == kQ4_K || T == kQ5_K) {
+      __m256 m0, m1;
+      halves(pb + 32, m0, m1);
+      const uint8_t* S = pb + 64;  // the 12 scale bytes, planar
+      __m128i sc, mn;
+      if (s < 4) {
+        sc = _mm_and_si128(ld(S + s * 16), bytes(0x3F));
+        mn = _mm_and_si128(ld(S + (s + 4) * 16), bytes(0x3F));
+      } else {
+        const __m128i hi4 = ld(S + (s + 4) * 16);
+        sc = _mm_or_si128(_mm_and_si128(hi4, bytes(0x0F)),
+                          _mm_and_si128(_mm_srli_epi16(ld(S + (s - 4) * 16), 2), bytes(0x30)));
+        mn = _mm_or_si128(nibble(hi4, 4), _mm_and_si128(_mm_srli_epi16(ld(S + s * 16), 2), bytes(0x30)));
+      }
+      b0 = _mm256_mul_ps(m0, u8lo(mn));  // dmin * min
+      b1 = _mm256_mul_ps(m1, u8hi(mn));
+      a0 = _mm256_mul_ps(a0, u8lo(sc));  // d * scale
+      a1 = _mm256_mul_ps(a1, u8hi(sc));
+      q = pb + (T == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
+      sh = 4 * (s & 1);
+      h = pb + 256;
+      hs = s;
+    } else {  // Q6_K: k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
+      const __m128i sa = ld(pb + 32 + (2 * s) * 16), sb = ld(pb + 32 + (2 * s + 1) * 16);
+      b0 = _mm256_mul_ps(a0, i8lo(sb));
+      b1 = _mm256_mul_ps(a1, i8hi(sb));
+      a0 = _mm256_mul_ps(a0, i8lo(sa));
+      a1 = _mm256_mul_ps(a1, i8hi(sa));
+      q = pb + 288 + ((s / 4) * 64 + (s % 2) * 32) * 16;
+      sh = 4 * ((s / 2) % 2);
+      h = pb + 2336 + (s / 4) * 32 * 16;
+      hs = 2 * (s % 4);
+    }
+  }
+
+  template <bool HI>
+  inline void get(int i, __m256& w0, __m256& w1) const {
+    const int k = HI ? 16 + i : i;
+    if constexpr (T == kQ8_0) {
+      const __m128i v = ld(q + k * 16);
+      w0 = _mm256_mul_ps(i8lo(v), a0);
+      w1 = _mm256_mul_ps(i8hi(v), a1);
+    } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
+      // byte i of a row holds weight i (low nibble) and 16 + i (high); weight k's high bit: bit k of qh
+      const __m128i v = ld(q + i * 16);
+      __m128i u = HI ? nibble(v, 4) : _mm_and_si128(v, bytes(0x0F));
+      if constexpr (T == kQ5_0 || T == kQ5_1) u = _mm_or_si128(u, bit4(ld(h + (k / 8) * 16), k % 8));
+      if constexpr (T == kQ4_1 || T == kQ5_1) {  // d * q + m
+        w0 = _mm256_add_ps(_mm256_mul_ps(a0, u8lo(u)), b0);
+        w1 = _mm256_add_ps(_mm256_mul_ps(a1, u8hi(u)), b1);
+      } else {  // d * (q - 8), d * (q - 16): the offset taken in integers
+        u = _mm_sub_epi8(u, bytes(T == kQ4_0 ? 8 : 16));
+        w0 = _mm256_mul_ps(a0, i8lo(u));
+        w1 = _mm256_mul_ps(a1, i8hi(u));
+      }
+    } else if constexpr (T == kQ4_K || T == kQ5_K) {  // d * scale * q - dmin * min
+      __m128i u = nibble(ld(q + k * 16), sh);
+      if constexpr (T == kQ5_K) u = _mm_or_si128(u, bit4(ld(h + k * 16), hs));
+      w0 = _mm256_sub_ps(_mm256_mul_ps(a0, u8lo(u)), b0);
+      w1 = _mm256_sub_ps(_mm256_mul_ps(a1, u8hi(u)), b1);
+    } else {  // Q6_K: d * scale * (q - 32)
+      const __m128i lo = nibble(ld(q + k * 16), sh);
+      const __m128i hi =
+          _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(ld(h + k * 16), _mm_cvtsi32_si128(hs)), bytes(0x03)), 4);
+      const __m128i u = _mm_sub_epi8(_mm_or_si128(lo, hi), bytes(32));
+      w0 = _mm256_mul_ps(HI ? b0 : a0, i8lo(u));
+      w1 = _mm256_mul_ps(HI ? b1 : a1, i8hi(u));
+    }
+  }
+};
+
+template <int64_t T>
+inline void widen_sub(const uint8_t* pb, int s, float* out) {
+  Widen<T> wd;
+  wd.init(pb, s);
+  __m256 w0, w1;
+  for (int i = 0; i < 16; ++i) {
+    wd.template get<false>(i, w0, w1);
+    put(out + i * 16, w0, w1);
+  }
+  for (int i = 0; i < 16; ++i) {
+    wd.template get<true>(i, w0, w1);
+    put(out + (16 + i) * 16, w0, w1);
+  }
+}
+#else
+template <int64_t T>
+inline void widen_sub(const uint8_t* pb, int s, float* out) {
+  constexpr QuantType t = quant_type(T);
+  uint8_t blk[t.block_bytes];
+  float vals[t.block_size];
+  for (int64_t r = 0; r < 16; ++r) {
+    gather_row(t, pb, r, blk);
+    dequant_block<T>(blk, vals);
+    for (int i = 0; i < 32; ++i) out[i * 16 + r] = vals[s * 32 + i];
+  }
+}
+#endif
+
+// W[rows of panel, k0 .. k0 + kc) into out[(k - k0) * 16 + r]; k0 and kc are multiples of 32.
+template <int64_t T>
+inline void widen_range(const uint8_t* panel, int64_t k0, int64_t kc, float* out) {
+  constexpr QuantType t = quant_type(T);
+  constexpr int64_t pbb = 16 * t.block_bytes;
+  for (int64_t k = k0; k < k0 + kc; k += 32)
+    widen_sub<T>(panel + (k / t.block_size) * pbb, static_cast<int>((k % t.block_size) / 32), out + (k - k0) * 16);
+}
+
+// ---- the register tile ----------------------------------------------------------------------------------
+
+// Fully unrolled before GCC scalarizes the accumulator arrays: without it GCC 12 keeps them in memory and
+// stores every accumulator at every k step (measured: 2.5x slower tiles).
+#define PAGEDSERVE_UNROLL _Pragma("GCC unroll 32")
+
+// acc[r * as + p * 16 + j] (+)= chain over k < kc of x[r * xs + k] * buf[(p * kc + k) * 16 + j], for R rows
+// and P panels of 16 columns: the same fma(x, w, acc) steps as fixed_gemm.cpp's tile. FIRST: start the
+// chains at 0, else continue them from acc (a template parameter, so the accumulators stay in registers).
+template <int R, int P, bool FIRST>
+inline void qtile(const float* x, int64_t xs, const float* buf, int64_t kc, float* acc, int64_t as) {
+#ifdef PAGEDSERVE_QUANT_AVX2
+  __m256 c0[R * P], c1[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) {
+    if constexpr (FIRST) {
+      c0[i] = c1[i] = _mm256_setzero_ps();
+    } else {
+      c0[i] = _mm256_loadu_ps(acc + (i / P) * as + (i % P) * 16);
+      c1[i] = _mm256_loadu_ps(acc + (i / P) * as + (i % P) * 16 + 8);
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) {
+      const float* w = buf + (p * kc + k) * 16;
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * xs + k);
+        c0[r * P + p] = _mm256_fmadd_ps(a, w0, c0[r * P + p]);
+        c1[r * P + p] = _mm256_fmadd_ps(a, w1, c1[r * P + p]);
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) {
+    _mm256_storeu_ps(acc + (i / P) * as + (i % P) * 16, c0[i]);
+    _mm256_storeu_ps(acc + (i / P) * as + (i % P) * 16 + 8, c1[i]);
+  }
+#else
+  if constexpr (FIRST)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < P * 16; ++j) acc[r * as + j] = 0.f;
+  for (int64_t k = 0; k < kc; ++k)
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < 16; ++j)
+          acc[r * as + p * 16 + j] = std::fma(x[r * xs + k], buf[(p * kc + k) * 16 + j], acc[r * as + p * 16 + j]);
+#endif
+}
+
+template <int R, int P>
+inline void qtile_f(bool first, const float* x, int64_t xs, const float* buf, int64_t kc, float* acc, int64_t as) {
+  if (first) {
+    qtile<R, P, true>(x, xs, buf, kc, acc, as);
+  } else {
+    qtile<R, P, false>(x, xs, buf, kc, acc, as);
+  }
+}
+
+template <int R>
+inline void qtile_p(int P, bool first, const float* x, int64_t xs, const float* buf, int64_t kc, float* acc,
+                    int64_t as) {
+  switch (P) {
+    case 1: qtile_f<R, 1>(first, x, xs, buf, kc, acc, as); break;
+    case 2: qtile_f<R, 2>(first, x, xs, buf, kc, acc, as); break;
+    case 3: qtile_f<R, 3>(first, x, xs, buf, kc, acc, as); break;
+    default: qtile_f<R, 4>(first, x, xs, buf, kc, acc, as); break;
+  }
+}
+
+// R rows (up to 6) x P panels; rows 5 and 6 only ever run with one panel (the many-rows path).
+inline void run_tile(int64_t R, int P, const float* x, int64_t xs, const float* buf, int64_t kc, float* acc, int64_t as,
+                     bool first) {
+  switch (R) {
+    case 1: qtile_p<1>(P, first, x, xs, buf, kc, acc, as); break;
+    case 2: qtile_p<2>(P, first, x, xs, buf, kc, acc, as); break;
+    case 3: qtile_p<3>(P, first, x, xs, buf, kc, acc, as); break;
+    case 4: qtile_p<4>(P, first, x, xs, buf, kc, acc, as); break;
+    case 5: qtile_f<5, 1>(first, x, xs, buf, kc, acc, as); break;
+    default: qtile_f<6, 1>(first, x, xs, buf, kc, acc, as); break;
+  }
+}
+
+#ifdef PAGEDSERVE_QUANT_AVX2
+// The few-rows kernel: R rows of x against P panels (16 P columns) over all of K, the weights widened in
+// registers one k at a time (no buffer): acc[r * 16 P + p * 16 + j] = the chain of row r, column p * 16 + j.
+constexpr int64_t kPrefetch = 4096;
+
+template <int64_t T, int R, int P>
+void gemv_panels(const float* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
+  constexpr QuantType t = quant_type(T);
+  constexpr int64_t pbb = 16 * t.block_bytes;
+  __m256 c0[R * P], c1[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    const int64_t boff = (k0 / t.block_size) * pbb;
+    const int s = static_cast<int>((k0 % t.block_size) / 32);
+    Widen<T> wd[P];
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) {
+      wd[p].init(panel + p * pstride + boff, s);
+      // The panel's bytes are read in k order: fetch the share of a 32-k step, kPrefetch bytes ahead.
+      constexpr int64_t step_bytes = 16 * t.block_bytes * 32 / t.block_size;
+      const char* ahead = reinterpret_cast<const char*>(panel + p * pstride + (k0 / 32) * step_bytes) + kPrefetch;
+      for (int64_t off = 0; off < step_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    auto step = [&]<bool HI>(int i) {
+      const float* xk = x + k0 + (HI ? 16 + i : i);
+      PAGEDSERVE_UNROLL
+      for (int p = 0; p < P; ++p) {
+        __m256 w0, w1;
+        wd[p].template get<HI>(i, w0, w1);
+        PAGEDSERVE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m256 a = _mm256_broadcast_ss(xk + r * xs);
+          c0[r * P + p] = _mm256_fmadd_ps(a, w0, c0[r * P + p]);
+          c1[r * P + p] = _mm256_fmadd_ps(a, w1, c1[r * P + p]);
+        }
+      }
+    };
+    for (int i = 0; i < 16; ++i) step.template operator()<false>(i);
+    for (int i = 0; i < 16; ++i) step.template operator()<true>(i);
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) {
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c0[i]);
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16 + 8, c1[i]);
+  }
+}
+
+template <int64_t T, int P>
+inline void gemv_rows(int64_t R, const float* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K,
+                      float* acc) {
+  switch (R) {
+    case 1: gemv_panels<T, 1, P>(x, xs, panel, pstride, K, acc); break;
+    case 2: gemv_panels<T, 2, P>(x, xs, panel, pstride, K, acc); break;
+    case 3: gemv_panels<T, 3, P>(x, xs, panel, pstride, K, acc); break;
+    default: gemv_panels<T, 4, P>(x, xs, panel, pstride, K, acc); break;
+  }
+}
+#endif
+
+// A 64-byte aligned float scratch buffer (one per task).
+struct Scratch {
+  std::vector<float> v;
+  float* p;
+  explicit Scratch(int64_t n) : v(n + 16) {
+    p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+  }
+};
+
+template <typename OT>
+inline void write_rows(const float* acc, int64_t as, int64_t rows, const float* bias, OT* y, int64_t N, int64_t n0,
+                       int64_t nn) {
+  for (int64_t r = 0; r < rows; ++r) {
+    OT* out = y + r * N + n0;
+    for (int64_t j = 0; j < nn; ++j) {
+      const float v = bias ? acc[r * as + j] + bias[n0 + j] : acc[r * as + j];
+      out[j] = Elem<OT>::store(v);
+    }
+  }
+}
+
+constexpr int64_t kGemvRows = 4;  // up to here: the few-rows path
+
+template <int64_t T, typename OT>
+void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
+                int64_t K) {
+  constexpr QuantType t = quant_type(T);
+  const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
+  if (M <= kGemvRows) {
+#ifdef PAGEDSERVE_QUANT_AVX2
+    // 1-2 rows x 2 panels, 3-4 rows x 1: 4-8 independent chains per k step, enough to hide the FMA
+    // latency behind the widening.
+    const int P = M <= 2 ? 2 : 1;
+    const int64_t groups = (panels + P - 1) / P;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      alignas(64) float acc[kGemvRows * 2 * 16];
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * P;
+        const int np = static_cast<int>(std::min<int64_t>(P, panels - p0));
+        if (np == 2) {
+          gemv_rows<T, 2>(M, x, xs, w + p0 * pstride, pstride, K, acc);
+        } else {
+          gemv_rows<T, 1>(M, x, xs, w + p0 * pstride, pstride, K, acc);
+        }
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * 16;
+          write_rows(acc + j * 16, np * 16, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
+        }
+      }
+    });
+#else
+    // Portable: the many-rows scheme with slices of up to 4 panels (a slice of all of them is 16 KB).
+    const int P = M == 1 ? 4 : (M <= 3 ? 2 : 1);
+    const int64_t KC = 256 / P, groups = (panels + P - 1) / P;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      Scratch buf(P * KC * 16), acc(M * P * 16);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * P;
+        const int np = static_cast<int>(std::min<int64_t>(P, panels - p0));
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min(KC, K - k0);
+          for (int j = 0; j < np; ++j) widen_range<T>(w + (p0 + j) * pstride, k0, kc, buf.p + j * kc * 16);
+          run_tile(M, np, x + k0, xs, buf.p, kc, acc.p, np * 16, k0 == 0);
+        }
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * 16;
+          write_rows(acc.p + j * 16, np * 16, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
+        }
+      }
+    });
+#endif
+    return;
+  }
+  // Many rows: a block of MB rows of x (~256 KB, kept hot across the thread's panels) against one panel at
+  // a time, each 256-k slice widened once per row block.
+  constexpr int64_t KC = 256;
+  const int64_t MB = std::clamp<int64_t>((65536 / K) / 6 * 6, 48, 240);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    Scratch buf(KC * 16), acc(MB * 16);
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = std::min(MB, M - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min(KC, K - k0);
+          widen_range<T>(w + p * pstride, k0, kc, buf.p);
+          for (int64_t r0 = 0; r0 < mb; r0 += 6)
+            run_tile(std::min<int64_t>(6, mb - r0), 1, x + (m0 + r0) * xs + k0, xs, buf.p, kc, acc.p + r0 * 16, 16,
+                     k0 == 0);
+        }
+        write_rows(acc.p, 16, mb, bias, y + m0 * N, N, p * 16, std::min<int64_t>(16, N - p * 16));
+      }
+    }
+  });
+}
+
+// Runs body.template operator()<T>() with the type id as a template argument.
+template <typename F>
+inline void dispatch_type(int64_t type, F&& body) {
+  switch (type) {
+    case kQ4_0: body.template operator()<kQ4_0>(); break;
+    case kQ4_1: body.template operator()<kQ4_1>(); break;
+    case kQ5_0: body.template operator()<kQ5_0>(); break;
+    case kQ5_1: body.template operator()<kQ5_1>(); break;
+    case kQ8_0: body.template operator()<kQ8_0>(); break;
+    case kQ4_K: body.template operator()<kQ4_K>(); break;
+    case kQ5_K: body.template operator()<kQ5_K>(); break;
+    case kQ6_K: body.template operator()<kQ6_K>(); break;
+    default: TORCH_CHECK(false, "quant: ggml type ", type, " is not one of the quantized types read in place");
+  }
+}
+
+// The packed tensor of `packed` checked against the type; returns K (weights per row) and the panel count.
+const torch::Tensor& checked_packed(const std::vector<torch::Tensor>& packed, const QuantType& t, const char* what,
+                                    int64_t& K, int64_t& panels) {
+  TORCH_CHECK(packed.size() == 1, what, ": packed must be quant_pack's list (one tensor)");
+  const torch::Tensor& p = packed[0];
+  TORCH_CHECK(p.dim() == 2 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.size(1) > 0 &&
+                  p.size(1) % (16 * t.block_bytes) == 0,
+              what, ": packed is not a ", t.name, " weight packed by quant_pack");
+  K = p.size(1) / (16 * t.block_bytes) * t.block_size;
+  panels = p.size(0);
+  return p;
+}
+
+}  // namespace
+}  // namespace quant_detail
+
+std::vector<int64_t> quant_types() {
+  using namespace quant_detail;
+  std::vector<int64_t> out;
+  for (const auto& t : kQuantTypes) out.push_back(t.id);
+  return out;
+}
+
+// raw: uint8 [N, row_bytes] (the file's rows of blocks) -> [packed], packed uint8 [ceil(N / 16), 16 * row_bytes].
+std::vector<torch::Tensor> quant_pack(torch::Tensor raw, int64_t type) {
+  using namespace quant_detail;
+  const QuantType& t = checked_type(type, "quant_pack");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.size(0) >= 1 && raw.size(1) > 0 &&
+                  raw.size(1) % t.block_bytes == 0,
+              "quant_pack: raw must be uint8 [N, row_bytes] with whole ", t.name, " blocks per row");
+  const torch::Tensor src = raw.contiguous();
+  const int64_t N = src.size(0), rb = src.size(1), nb = rb / t.block_bytes, panels = (N + 15) / 16;
+  auto out = torch::zeros({panels, 16 * rb}, torch::kUInt8);
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* d = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = 0; r < 16 && p * 16 + r < N; ++r)
+        for (int64_t b = 0; b < nb; ++b)
+          scatter_row(t, s + (p * 16 + r) * rb + b * t.block_bytes, d + p * 16 * rb + b * 16 * t.block_bytes, r);
+  });
+  return {out};
+}
+
+// y = x @ W.T (+ bias), W the dequantized [N, K] weight; x [M, K] float32 or bf16 (contiguous rows, any row
+// stride); bias [N] (any float dtype, added in float32); out_dtype float32 or bf16 (rounded once, at the end).
+torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
+                           c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype) {
+  using namespace quant_detail;
+  const QuantType& t = checked_type(type, "quant_linear");
+  int64_t pk, panels;
+  const torch::Tensor& p = checked_packed(packed, t, "quant_linear", pk, panels);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K && pk == K,
+              "quant_linear: x must be [M, K] with contiguous rows, K the packed weight's (", pk, ")");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(N >= 1 && panels == (N + 15) / 16, "quant_linear: N does not match the packed weight");
+  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
+              "quant_linear: out_dtype must be float32 or bfloat16");
+  const int64_t M = x.size(0);
+  auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
+  torch::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "quant_linear: bias must have N elements");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  if (M == 0) return y;
+  const float* xp = xf.data_ptr<float>();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const uint8_t* wp = p.data_ptr<uint8_t>();
+  dispatch_type(type, [&]<int64_t T>() {
+    dispatch_float_bf16(y, "quant_linear", [&]<typename OT>() {
+      quant_gemm<T, OT>(xp, xf.stride(0), wp, bp, ptr<OT>(y), M, N, K);
+    });
+  });
+  return y;
+}
+
+// The dequantized rows ids (any shape, int64; each below 16 * panels: rows of the padding are 0) -> [..., K].
+torch::Tensor quant_embedding(torch::Tensor ids, std::vector<torch::Tensor> packed, int64_t type, int64_t K,
+                              c10::ScalarType out_dtype) {
+  using namespace quant_detail;
+  const QuantType& t = checked_type(type, "quant_embedding");
+  int64_t pk, panels;
+  const torch::Tensor& p = checked_packed(packed, t, "quant_embedding", pk, panels);
+  TORCH_CHECK(pk == K, "quant_embedding: K does not match the packed weight (", pk, ")");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64, "quant_embedding: ids must be int64");
+  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
+              "quant_embedding: out_dtype must be float32 or bfloat16");
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t T = idc.numel();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < panels * 16, "quant_embedding: id ", id[i], " is outside the weight");
+  std::vector<int64_t> shape(idc.sizes().begin(), idc.sizes().end());
+  shape.push_back(K);
+  auto out = torch::empty(shape, torch::TensorOptions().dtype(out_dtype));
+  const uint8_t* wp = p.data_ptr<uint8_t>();
+  const int64_t pstride = p.size(1), nb = K / t.block_size;
+  dispatch_type(type, [&]<int64_t TT>() {
+    constexpr QuantType q = quant_type(TT);
+    dispatch_float_bf16(out, "quant_embedding", [&]<typename OT>() {
+      OT* o = ptr<OT>(out);
+      at::parallel_for(0, T, 8, [&](int64_t i0, int64_t i1) {
+        uint8_t blk[q.block_bytes];
+        float vals[q.block_size];
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t n = id[i];
+          for (int64_t b = 0; b < nb; ++b) {
+            gather_row(q, wp + (n / 16) * pstride + b * 16 * q.block_bytes, n % 16, blk);
+            dequant_block<TT>(blk, vals);
+            for (int64_t j = 0; j < q.block_size; ++j) o[i * K + b * q.block_size + j] = Elem<OT>::store(vals[j]);
+          }
+        }
+      });
+    });
+  });
+  return out;
+}
+
+}  // namespace pagedserve

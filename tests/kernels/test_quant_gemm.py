@@ -1,0 +1,252 @@
+"""GGUF quantized weights read in place (csrc/quant_gemm.cpp): quant_pack, quant_linear, quant_embedding
+and DecodeStack's quantized route.
+
+The reference is exact: W is the float32 matrix gguf-py dequantizes, and quant_linear must give the same
+bits as fixed_linear over that W (one float32 FMA chain over k per output) at every row count, with and
+without bias, for float32 and bf16 inputs and outputs and for any thread count. The blocks are random
+bytes with sane fp16 scales (every byte pattern is a valid block), so every quant value, 6-bit K-quant
+scale and high bit occurs; the legacy types are also checked on blocks gguf-py quantized.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.kernels import CpuKernels
+
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+IDS = [t.name for t in TYPES]
+# Byte offsets of each block's fp16 fields (d, m / dmin): random bytes there could be inf or NaN.
+F16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
+              Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    k = CpuKernels.build()
+    assert k is not None, "the C++ kernels must build wherever a compiler is (as in CI)"
+    return k
+
+
+@pytest.fixture
+def threads():
+    """Restores the thread count a test changes."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [n, row_bytes]: random blocks of qtype, fp16 fields drawn as small normals (some negative,
+    some subnormal-sized)."""
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    nb = k // block_size
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, nb, block_bytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scale = np.exp(rng.uniform(-12, -2, size=(n, nb))) * rng.choice([-1.0, 1.0], size=(n, nb))
+        raw[:, :, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    return raw.reshape(n, nb * block_bytes)
+
+
+def dequantize(raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
+
+
+def k_for(qtype: Q) -> int:
+    # Several 256-k slices and a tail slice (320 = 256 + 64) for the 32-blocks; two super-blocks for K-quants.
+    return 512 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 320
+
+
+def test_quant_types(kernels):
+    assert kernels.quant_types == frozenset(int(t) for t in TYPES)
+    assert sorted(kernels.ext.quant_types()) == sorted(kernels.quant_types)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_pack_moves_the_files_bytes_without_expanding_them(kernels, qtype):
+    n, k = 37, k_for(qtype)
+    raw = random_blocks(qtype, n, k, seed=1)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    assert len(packed) == 1 and packed[0].dtype == torch.uint8
+    panels = (n + 15) // 16
+    assert packed[0].shape == (panels, 16 * raw.shape[1])
+    # The same bytes (a permutation) plus the zero rows padding n to a multiple of 16.
+    pad = (panels * 16 - n) * raw.shape[1]
+    counts = np.bincount(packed[0].numpy().ravel(), minlength=256)
+    expect = np.bincount(raw.ravel(), minlength=256)
+    expect[0] += pad
+    assert np.array_equal(counts, expect)
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=["o32", "obf16"])
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_embedding_is_gguf_pys_dequantization(kernels, qtype, out_dtype):
+    n, k = 45, k_for(qtype)
+    raw = random_blocks(qtype, n, k, seed=2)
+    w = dequantize(raw, qtype)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    every = kernels.quant_embedding(torch.arange(n), packed, int(qtype), k, out_dtype)
+    assert every.dtype == out_dtype and every.shape == (n, k)
+    assert torch.equal(every, w.to(out_dtype))
+    ids = torch.tensor([[44, 0, 17], [17, 3, 31]])  # any shape, repeats
+    assert torch.equal(kernels.quant_embedding(ids, packed, int(qtype), k, out_dtype), w[ids].to(out_dtype))
+
+
+def check_linear(kernels, qtype: Q, raw: np.ndarray, rows: tuple[int, ...], seed: int) -> None:
+    """quant_linear == fixed_linear over the dequantized weight, bit for bit, for every row count in rows,
+    with and without bias, float32/bf16 x and outputs; and a row's bits do not depend on the batch."""
+    n, k = raw.shape[0], raw.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+    w = dequantize(raw, qtype)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    fixed = kernels.fixed_pack(w)
+    g = torch.Generator().manual_seed(seed)
+    x_all = torch.randn(max(rows), k, generator=g)
+    bias = torch.randn(n, generator=g)
+    for xdt in DTYPES:
+        x_full = x_all.to(xdt)
+        for b in (None, bias):
+            full = kernels.quant_linear(x_full, packed, int(qtype), n, b, torch.float32)
+            for m in rows:
+                x = x_full[:m]
+                for odt in DTYPES:
+                    y = kernels.quant_linear(x, packed, int(qtype), n, b, odt)
+                    ref = kernels.fixed_linear(x, fixed, n, b, odt)
+                    assert y.dtype == odt and y.shape == (m, n)
+                    assert torch.equal(y, ref), (qtype.name, m, xdt, odt, b is None)
+                assert torch.equal(kernels.quant_linear(x, packed, int(qtype), n, b, torch.float32), full[:m])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_linear_is_fixed_linear_over_the_dequantized_weight(kernels, qtype):
+    raw = random_blocks(qtype, 37, k_for(qtype), seed=3)  # 37: a partial last panel
+    check_linear(kernels, qtype, raw, (1, 2, 3, 4, 5, 6, 7, 16, 53, 64, 300), seed=4)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
+def test_linear_on_blocks_gguf_py_quantized(kernels, qtype):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(21, 96, generator=g).numpy() * 0.05
+    raw = gguf.quants.quantize(w, qtype)
+    assert raw.dtype == np.uint8 and raw.shape[0] == 21
+    check_linear(kernels, qtype, raw, (1, 4, 9), seed=6)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_thread_count_and_strided_rows_do_not_change_bits(kernels, threads, qtype):
+    n, k = 77, k_for(qtype)  # 5 panels: an odd number of panel pairs, a partial last panel
+    raw = random_blocks(qtype, n, k, seed=7)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(70, k + 9, generator=g)
+    x = wide[:, :k]  # row stride k + 9
+    for m in (1, 2, 3, 4, 70):
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(kernels.quant_linear(x[:m], packed, int(qtype), n, None, torch.float32))
+        assert torch.equal(outs[0], outs[1]), m
+        assert torch.equal(outs[0], kernels.quant_linear(x[:m].contiguous(), packed, int(qtype), n, None,
+                                                         torch.float32))
+
+
+def test_bad_arguments_raise(kernels):
+    raw = torch.from_numpy(random_blocks(Q.Q8_0, 20, 64, seed=9))
+    packed = kernels.quant_pack(raw, int(Q.Q8_0))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="not one of"):
+        kernels.quant_pack(raw, int(Q.Q2_K))
+    with pytest.raises(RuntimeError, match="K"):
+        kernels.quant_linear(torch.randn(2, 96), packed, int(Q.Q8_0), 20, None, torch.float32)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        kernels.quant_linear(x, packed, int(Q.Q8_0), 40, None, torch.float32)
+    with pytest.raises(RuntimeError, match="packed"):
+        kernels.quant_linear(x, packed, int(Q.Q4_0), 20, None, torch.float32)
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.quant_embedding(torch.tensor([32]), packed, int(Q.Q8_0), 64, torch.float32)
+
+
+# ---- DecodeStack's quantized route (7) --------------------------------------------------------------
+
+H, KVH, D, HIDDEN, INTER, BS = 4, 2, 64, 256, 256, 16
+
+
+def test_route_id(kernels):
+    assert dict(kernels.ext.matmul_routes())["quant"] == 7
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["fused", "strict"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_decode_stack_quant_route_is_the_fixed_route_over_the_dequantized_weights(kernels, dtype, strict):
+    """Every quantized matmul of a two-layer stack (all eight types among them) on route 7 gives the bits
+    of the same stack on the fixed route (5) over the dequantized weights: same kernels, same order."""
+    ext = kernels.ext
+    g = torch.Generator().manual_seed(10)
+    shapes = {"qkv": ((H + 2 * KVH) * D, HIDDEN), "o": (HIDDEN, H * D), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER)}
+    types = iter(TYPES)
+    layers = []
+    for i in range(2):
+        mats = {}
+        for j, (name, (n, k)) in enumerate(shapes.items()):
+            qtype = next(types)
+            raw = random_blocks(qtype, n, k, seed=100 + 10 * i + j)
+            bias = torch.randn(n, generator=g).to(dtype) if name == "qkv" else None
+            mats[name] = (qtype, raw, bias)
+        layers.append(({"ln1": (torch.rand(HIDDEN, generator=g) + 0.5).to(dtype),
+                        "ln2": (torch.rand(HIDDEN, generator=g) + 0.5).to(dtype)}, mats))
+    caches = [(torch.randn(8, BS, KVH, D, generator=g).to(dtype), torch.randn(8, BS, KVH, D, generator=g).to(dtype))
+              for _ in layers]
+
+    def spec(route: int, qtype: Q, raw: np.ndarray, bias, how: str):
+        n = raw.shape[0]
+        if route == 5:
+            w = dequantize(raw, qtype)
+            return ext.MatmulSpec(5, w.to(dtype), bias, [kernels.fixed_pack(w)], 0)
+        packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+        if how == "n":  # no dense weight at all
+            return ext.MatmulSpec(7, None, bias, packed, int(qtype), n=n)
+        k = raw.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+        return ext.MatmulSpec(7, torch.empty(n, k, device="meta"), bias, packed, int(qtype))  # n from its shape
+
+    def stack(route: int, how: str = "n"):
+        built = []
+        for (norms, mats), (kc, vc) in zip(layers, caches, strict=True):
+            specs = [spec(route, *mats[name], how) for name in shapes]
+            built.append(ext.DecodeLayer(norms["ln1"], norms["ln2"], *specs, kc.clone(), vc.clone()))
+        return ext.DecodeStack(built, H, KVH, 1e-6, D**-0.5, strict)
+
+    seq_lens = torch.tensor([5, 17, 9])
+    block_tables = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    pos = seq_lens - 1
+    slots = block_tables[torch.arange(3), pos // BS] * BS + pos % BS
+    angles = torch.rand(3, D // 2, generator=g) * 6
+    x = torch.randn(3, HIDDEN, generator=g).to(dtype)
+    for b in (1, 3):
+        # forward adds into its input (the first residual): a fresh copy each call.
+        args = (angles[:b].cos(), angles[:b].sin(), slots[:b], block_tables[:b], seq_lens[:b])
+        ref = stack(5).forward(x[:b].clone(), *args)
+        for how in ("n", "meta"):
+            out = stack(7, how).forward(x[:b].clone(), *args)
+            assert out.dtype == dtype and torch.equal(out, ref), (b, how)
+
+
+def test_decode_stack_rejects_a_bad_quant_spec(kernels):
+    ext = kernels.ext
+    raw = torch.from_numpy(random_blocks(Q.Q8_0, 32, 64, seed=11))
+    packed = kernels.quant_pack(raw, int(Q.Q8_0))
+    norm = torch.ones(64)
+    kv = torch.zeros(2, BS, 1, 64)
+
+    def one_layer(spec):
+        return ext.DecodeStack([ext.DecodeLayer(norm, norm, spec, spec, spec, spec, kv, kv)], 1, 1, 1e-6, 0.125)
+
+    with pytest.raises(RuntimeError, match="quant_types"):
+        one_layer(ext.MatmulSpec(7, None, None, packed, int(Q.Q2_K), n=32))
+    with pytest.raises(RuntimeError, match="quant_types"):
+        one_layer(ext.MatmulSpec(7, None, None, packed, int(Q.Q8_0)))  # neither n nor a weight
