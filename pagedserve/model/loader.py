@@ -123,7 +123,12 @@ def load_model(
     elif path.endswith(".gguf") and in_place:
         reader = _gguf_reader(path)
         cfg = gguf_config(reader)
-        weights = iter_gguf_tensors(reader, cfg, in_place=in_place)
+        # Keep only the tensors (views of the file's memory map): the reader's metadata fields (a Python
+        # object per vocabulary entry) are freed before any weight is allocated, so they leave no holes.
+        tensors = _TensorsOnly(list(reader.tensors))
+        del reader
+        _return_freed_memory()
+        weights = iter_gguf_tensors(tensors, cfg, in_place=in_place)
     elif path.endswith(".gguf"):
         if keep_dequantized:
             cfg, weights, cached_blocks = _dequantized_gguf(path, os.stat(path).st_mtime_ns)
@@ -177,6 +182,13 @@ def estimate_weight_bytes(model: str | None, elem: int, *, revision: str | None 
         else:
             total += int(t.n_elements) * elem
     return total
+
+
+@dataclass
+class _TensorsOnly:
+    """What iter_gguf_tensors reads of a GGUFReader."""
+
+    tensors: list
 
 
 def _return_freed_memory() -> None:
