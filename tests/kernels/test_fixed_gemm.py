@@ -17,13 +17,6 @@ from pagedserve.model.matmul import GGUF_TYPE_IDS, MatmulRoutes, Route
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    k = CpuKernels.build()
-    assert k is not None, "the C++ kernels must build wherever a compiler is (as in CI)"
-    return k
-
-
 @pytest.mark.parametrize("wdt", DTYPES, ids=["w32", "wbf16"])
 @pytest.mark.parametrize("xdt", DTYPES, ids=["x32", "xbf16"])
 @pytest.mark.parametrize("odt", DTYPES, ids=["o32", "obf16"])

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels import CpuKernels
-
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 IDS = [t.name for t in TYPES]
@@ -24,13 +22,6 @@ IDS = [t.name for t in TYPES]
 F16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
               Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    k = CpuKernels.build()
-    assert k is not None, "the C++ kernels must build wherever a compiler is (as in CI)"
-    return k
 
 
 @pytest.fixture
