@@ -1,0 +1,39 @@
+#!/bin/sh
+# Builds llama.cpp's llama-bench, llama-completion and llama-simple as a *benchmark-only peer* (never a pagedserve
+# dependency). Source: the llama.cpp vendored in the llama-cpp-python 0.3.36 sdist (so the same llama.cpp
+# as benchmarks/peers/llama_cpp_w2.py). Idempotent: re-running only rebuilds what is missing.
+# Output: benchmarks/peers/llama_cpp/build/bin/{llama-bench,llama-completion,llama-simple} (gitignored).
+# (In this llama.cpp, llama-cli is the chat UI built on the server, so the non-interactive one-shot tool is
+# llama-completion; the server is not built.)
+set -eu
+HERE=$(cd "$(dirname "$0")" && pwd)
+VERSION=0.3.36
+DL="$HERE/dl"
+SRC="$HERE/src/llama_cpp_python-$VERSION"
+BUILD="$HERE/build"
+ROOT=$(cd "$HERE/../../.." && pwd)
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+
+if [ ! -d "$SRC/vendor/llama.cpp" ]; then
+    mkdir -p "$DL" "$HERE/src"
+    if ! ls "$DL"/llama_cpp_python-$VERSION.tar.gz >/dev/null 2>&1; then
+        "$PY" -m pip download -q --no-deps --no-binary :all: -d "$DL" "llama-cpp-python==$VERSION"
+    fi
+    tar -xzf "$DL/llama_cpp_python-$VERSION.tar.gz" -C "$HERE/src"
+fi
+
+CMAKE=cmake
+if ! command -v cmake >/dev/null 2>&1; then
+    # No system cmake: a private venv just for the build tool (gitignored).
+    [ -x "$HERE/../cmake-venv/bin/cmake" ] || { python3 -m venv "$HERE/../cmake-venv" && "$HERE/../cmake-venv/bin/pip" install -q cmake; }
+    CMAKE="$HERE/../cmake-venv/bin/cmake"
+fi
+
+if [ ! -f "$BUILD/CMakeCache.txt" ]; then
+    "$CMAKE" -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+fi
+"$CMAKE" --build "$BUILD" -j"${JOBS:-2}" --target llama-bench llama-completion llama-simple
+ls -l "$BUILD/bin"
