@@ -9,18 +9,11 @@ from pagedserve.engine.engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 
 
-def rss() -> int:
+def status_bytes(field: str) -> int:
+    """A /proc/self/status memory field (VmRSS: resident now, VmHWM: the peak) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -34,5 +27,5 @@ while engine.has_unfinished_requests():
     engine.step()
 gc.collect()
 kv = sum(t.numel() * t.element_size() for pair in engine.kv_caches for t in pair)
-print(json.dumps({"model": model, "dtype": dtype, "gguf_in_place": in_place, "rss_bytes": rss(),
-                  "peak_rss_bytes": peak(), "weight_bytes": engine.weight_bytes, "kv_bytes": kv}))
+print(json.dumps({"model": model, "dtype": dtype, "gguf_in_place": in_place, "rss_bytes": status_bytes("VmRSS"),
+                  "peak_rss_bytes": status_bytes("VmHWM"), "weight_bytes": engine.weight_bytes, "kv_bytes": kv}))
