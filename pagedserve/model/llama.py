@@ -160,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head_routes.float32_out = True
         self.embed_quant: QuantPart | None = None  # the embedding as GGUF blocks read in place (then meta)
         self._stackable = True  # every layer matmul can run in DecodeStack (setup_matmuls decides)
+        self._windowed = cfg.has_sliding_window  # some layer attends through a window (read every step)
         self.embed_fixed: torch.Tensor | None = None  # the tied head's packed copy, when the plain one is released
         self._block_kernels: CpuKernels | None = None  # the kernels that packed the GGUF blocks read in place
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU, DecodeStack), handed over by the model
@@ -243,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack_applies(self, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
         cfg = self.config
-        windows_apply = cfg.has_sliding_window and max(meta.seq_lens_host, default=0) > (cfg.sliding_window or 0)
+        windows_apply = self._windowed and max(meta.seq_lens_host, default=0) > cfg.sliding_window
         return (
             self.kernels is not None
             and self.kernels.decode_stack
