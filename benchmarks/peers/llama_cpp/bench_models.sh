@@ -12,7 +12,8 @@
 #   * llama-bench -t 2 -p 0 -n 256 -d 32     tg256 after a 32-token prompt (W2's decode phase)
 #   each -r ${REPS:-3}, -o json; median of the per-repetition samples; peak RSS of each run (/usr/bin/time -v)
 #   * llama-completion -n 8 -c ${CTX:-2048} with -lm mmap and -lm none (no mmap): peak RSS after load plus a
-#     short greedy generation, and llama.cpp's own buffer-size log lines (model / KV / compute).
+#     short greedy generation, and llama.cpp's own buffer-size log lines (model / KV / compute); these runs
+#     measure memory only, so they neither wait for a quiet machine nor repeat.
 # The machine has 2 cores: each run first waits (up to QUIET_WAIT=600 s) for the CPUs to be idle, and records
 # other_cpu_s, the CPU time other processes used during it; a run where that exceeds 10% of its own CPU time
 # is repeated (TRIES=4 in all), so a figure left contaminated still shows a large other_cpu_s.
@@ -58,7 +59,7 @@ run_timed() {  # run_timed TAG CMD...: stdout -> TAG.out, stderr (incl. time -v)
     [ -f "$RAW/$tag.ok" ] && { echo "== $tag: kept (RESUME=1)" >&2; return 0; }
     try=1
     while :; do
-        wait_quiet
+        [ "${RSS_ONLY:-0}" = 1 ] || wait_quiet
         cut -d' ' -f1-3 /proc/loadavg > "$RAW/$tag.load"
         echo "== $tag (try $try): $*" >&2
         j0=$(busy_jiffies)
@@ -66,7 +67,7 @@ run_timed() {  # run_timed TAG CMD...: stdout -> TAG.out, stderr (incl. time -v)
         echo "$j0 $(busy_jiffies) $HZ $try" > "$RAW/$tag.jiffies"
         own=$(awk -F': ' '/User time \(seconds\)|System time \(seconds\)/ {s += $2} END {printf "%d", s * 100}' "$RAW/$tag.err")
         other=$(( ($(busy_jiffies) - j0) * 100 / HZ - own ))  # both in 1/100 s
-        [ "$other" -le $(( own / 10 + 20 )) ] && { touch "$RAW/$tag.ok"; break; }
+        [ "$other" -le $(( own / 10 + 20 )) ] || [ "${RSS_ONLY:-0}" = 1 ] && { touch "$RAW/$tag.ok"; break; }
         echo "   other processes used $((other / 100)) CPU-s (own $((own / 100)) s): contaminated" >&2
         [ "$try" -ge "${TRIES:-4}" ] && break
         try=$((try + 1))
@@ -80,10 +81,12 @@ for name in smollm2 gemma3; do
     run_timed "$name.bench_tg128" "$BIN/llama-bench" -m "$m" -t "$THREADS" -p 0 -n 128 -r "$REPS" -o json
     run_timed "$name.bench_pp32_tg256" "$BIN/llama-bench" -m "$m" -t "$THREADS" -p 32 -n 256 -r "$REPS" -o json
     run_timed "$name.bench_tg256_d32" "$BIN/llama-bench" -m "$m" -t "$THREADS" -p 0 -n 256 -d 32 -r "$REPS" -o json
+    RSS_ONLY=1
     for lm in mmap none; do
         run_timed "$name.completion_lm_$lm" "$BIN/llama-completion" -m "$m" -t "$THREADS" -c "$CTX" -n 8 \
             --temp 0 -no-cnv -lm "$lm" -p "The capital of France is"
     done
+    RSS_ONLY=0
 done
 
 lscpu > "$RAW/lscpu.txt"
