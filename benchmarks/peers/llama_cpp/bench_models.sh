@@ -12,7 +12,7 @@
 #   * llama-bench -t 2 -p 0 -n 256 -d 32     tg256 after a 32-token prompt (W2's decode phase)
 #   each -r ${REPS:-3}, -o json; median of the per-repetition samples; peak RSS of each run (/usr/bin/time -v)
 #   * llama-completion -n 8 -c ${CTX:-2048} with -lm mmap and -lm none (no mmap): peak RSS after load plus a
-#     short greedy generation, and llama.cpp's own buffer-size log lines (model / KV / compute); these runs
+#     short greedy generation, and llama.cpp's own (-v) buffer sizes and memory breakdown; these runs
 #     measure memory only, so they neither wait for a quiet machine nor repeat.
 # The machine has 2 cores: each run first waits (up to QUIET_WAIT=600 s) for the CPUs to be idle, and records
 # other_cpu_s, the CPU time other processes used during it; a run where that exceeds 10% of its own CPU time
@@ -84,7 +84,7 @@ for name in smollm2 gemma3; do
     RSS_ONLY=1
     for lm in mmap none; do
         run_timed "$name.completion_lm_$lm" "$BIN/llama-completion" -m "$m" -t "$THREADS" -c "$CTX" -n 8 \
-            --temp 0 -no-cnv -lm "$lm" -p "The capital of France is"
+            --temp 0 -no-cnv -lm "$lm" -v -p "The capital of France is"
     done
     RSS_ONLY=0
 done
@@ -156,11 +156,17 @@ for name in ("smollm2", "gemma3"):
     for lm in ("mmap", "none"):
         base = f"{name}.completion_lm_{lm}"
         err = read(base + ".err")
-        bufs = sorted(set(re.findall(r"([\w ]*buffer size =\s*[\d.]+ MiB)", err)))
+        # -v log: the last (final) model buffer sizes, KV cache sizes, compute buffer and memory breakdown rows
+        bufs = [" ".join(m.split()) for m in re.findall(r"I ((?:load_tensors|llama_kv_cache|sched_reserve|llama_context):[^\n]*(?:buffer size|size =)[^\n]*)", err)
+                if not re.search(r"= +0\.00 MiB", m)]
+        bufs = list(dict.fromkeys(bufs))
+        breakdown = [" ".join(m.split()) for m in re.findall(r"common_memory_breakdown_print: (\|[^\n]*)", err)]
+        load_ms = re.search(r"load time =\s*([\d.]+) ms", err)
         entry["completion_rss"][f"lm_{lm}"] = {
             "cmd": f"llama-completion -t {threads} -c {ctx} -n 8 --temp 0 -no-cnv -lm {lm}",
             "peak_rss_mib": peak_rss_mib(err), "wall_s": wall_s(err),
-            "llama_buffers": [" ".join(b.split()) for b in bufs],
+            "llama_load_time_ms": float(load_ms.group(1)) if load_ms else None,
+            "llama_buffers": bufs, "llama_memory_breakdown_mib": breakdown,
             "loadavg_before": read(base + ".load").strip(), "other_cpu_s": other_cpu_s(base, err),
         }
     result["models"][name] = entry
