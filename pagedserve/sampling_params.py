@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedserve.structured_output.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["GuidedDecodingParams", "SamplingParams", "StructuredOutputsParams"]
+
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM; the n samples use seed, seed + 1, ...
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
@@ -56,6 +60,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token (the chosen one is always included)
     skip_special_tokens: bool = True
+    # The output must follow a JSON schema, regex, choice or grammar (structured_output/params.py);
+    # `guided_decoding` is vLLM's older name for it.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -68,6 +76,12 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("guided_decoding: give structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -112,6 +126,8 @@ class SamplingParams:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
 
     @property
     def greedy(self) -> bool:

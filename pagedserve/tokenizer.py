@@ -17,11 +17,21 @@ from pagedserve.model.loader import load_hf_tokenizer
 # by architecture (model/config.py's names), and the token that ends such a model's turn (a stop token).
 SUPPLIED_CHAT_TEMPLATES = {"gemma2": "gemma.jinja", "gemma3": "gemma.jinja"}
 TURN_END_TOKENS = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
+# For conversations with tools when the model's own template knows none: ChatML templates get this one.
+TOOLS_CHAT_TEMPLATE = "chatml_tools.jinja"
+
+
+def _template(name: str) -> str:
+    return files("pagedserve.chat_templates").joinpath(name).read_text()
 
 
 def supplied_chat_template(architecture: str | None) -> str | None:
     name = SUPPLIED_CHAT_TEMPLATES.get(architecture or "")
-    return None if name is None else files("pagedserve.chat_templates").joinpath(name).read_text()
+    return None if name is None else _template(name)
+
+
+def uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:
+    return bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
 class Tokenizer:
@@ -65,7 +75,21 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def tools_template(self) -> str | None:
+        """The template for a conversation with tools: the model's own if it reads `tools`, the supplied
+        ChatML one for ChatML models without, else None (this model cannot take tools)."""
+        own = getattr(self.hf, "chat_template", None) or ""
+        if not isinstance(own, str):
+            return None
+        if "tools" in own:
+            return own
+        if "<|im_start|>" in own:
+            return _template(TOOLS_CHAT_TEMPLATE)
+        return None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """tools: OpenAI's tool definitions (rendered by a tool-aware template, see tools_template)."""
         if not messages:
             raise ValueError("messages: must be a non-empty list")
         for i, m in enumerate(messages):
@@ -73,6 +97,12 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}]: each message needs a 'role' and a 'content'")
         if not self.has_chat_template:
             raise ValueError("messages: this model has no chat template; use a plain prompt")
+        if uses_tools(messages, tools):
+            template = self.tools_template()
+            if template is None:
+                raise ValueError("tools: this model's chat template does not support tools")
+            return self.hf.apply_chat_template(messages, tools=tools or None, chat_template=template, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 

@@ -13,6 +13,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from pagedserve.model.loader import load_model, resolve_dtype
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling.metadata import RequestGenerators, SamplingMetadata
 from pagedserve.sampling_params import SamplingParams, check_text
+from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.tokenizer import Tokenizer
 from pagedserve.worker.kv_cache import allocate_kv_cache
 from pagedserve.worker.model_runner import ModelRunner
@@ -85,6 +88,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(self.tokenizer.turn_end_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        # Structured outputs: grammars compile off this thread; a request waits here (not in the scheduler)
+        # until its grammar is ready: parent id -> (its samples, the future of its compiled matcher).
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self._awaiting_grammar: dict[str, tuple[list[Request], Future]] = {}
+        self._step_mask = None  # the structured-output mask of the step running now (for its record)
         # Running totals (metrics read these).
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -181,13 +189,47 @@ class LLMEngine:
             requests.append(Request(rid, ids, sp, self.eos_token_ids, max_tokens, now, request_id, i))
         parent = ParentState(request_id, text, ids, [self.output_processor.new_sample(r) for r in requests],
                              RequestMetrics(arrival_time=now))
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.submit(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()  # a cached spec that fails: nothing is added
         # Nothing above touched the engine's state; from here on nothing can fail.
         for req in requests:
             self.sample_to_parent[req.request_id] = parent
             self.generators.add(req.request_id, req.sampling_params.seed)
-            self.scheduler.add_request(req)
         self.parents[request_id] = parent
         self.num_prompt_tokens += len(ids)
+        if grammar is None or grammar.done():
+            self._schedule_samples(requests, grammar)
+        else:  # compiling: it joins the batch in the first step after its grammar is ready
+            self._awaiting_grammar[request_id] = (requests, grammar)
+
+    def _schedule_samples(self, requests: list[Request], grammar: Future | None) -> None:
+        if grammar is not None:
+            matcher = grammar.result()
+            for req in requests:
+                self.structured.add(req.request_id, matcher.deep_copy() if len(requests) > 1 else matcher)
+        for req in requests:
+            self.scheduler.add_request(req)
+
+    def _admit_compiled(self, touched: dict, finished: dict) -> None:
+        """Requests whose grammar finished compiling join the scheduler (or fail, with the compile error)."""
+        if not self._awaiting_grammar:
+            return
+        if not self.scheduler.has_unfinished_requests():  # nothing else to do: wait a little, do not spin
+            wait_futures([f for _, f in self._awaiting_grammar.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        for pid, (requests, grammar) in list(self._awaiting_grammar.items()):
+            if not grammar.done():
+                continue
+            del self._awaiting_grammar[pid]
+            parent = self.parents[pid]
+            if grammar.exception() is not None:
+                parent.error = str(grammar.exception())
+                self._abort_samples(parent, finished)
+                touched[pid] = parent
+            else:
+                self._schedule_samples(requests, grammar)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Abort requests in any state; their blocks are freed at once."""
@@ -208,13 +250,18 @@ class LLMEngine:
 
     def _abort_samples(self, parent: ParentState, finished: dict, keep_cached: bool = True) -> None:
         """Finish every unfinished sample of `parent` as aborted (its blocks are freed at once)."""
+        self._awaiting_grammar.pop(parent.request_id, None)
         for sample in parent.samples:
-            if not sample.request.is_finished:
-                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED, keep_cached)
-                self._count_finish(sample.request, finished)
+            req = sample.request
+            if not req.is_finished:
+                if req.request_id in self.scheduler.requests:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED, keep_cached)
+                else:  # still waiting for its grammar: never scheduled, holds nothing
+                    req.status = RequestStatus.FINISHED_ABORTED
+                self._count_finish(req, finished)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
@@ -226,7 +273,7 @@ class LLMEngine:
         return EngineStats(
             step_count=self.step_count,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + sum(len(r) for r, _ in self._awaiting_grammar.values()),
             num_unfinished_requests=len(self.parents),
             num_kv_blocks=pool.num_blocks,
             num_used_blocks=pool.num_used_blocks,
@@ -268,9 +315,11 @@ class LLMEngine:
         pool.num_allocated = pool.num_freed = pool.num_evicted = 0
         q0, h0 = self.kv_manager.prefix_queries, self.kv_manager.prefix_hits
         start = time.time()
-        sched = self.scheduler.schedule()
         touched: dict[str, ParentState] = {}
         finished, self._finished_between_steps = self._finished_between_steps, {}
+        self._admit_compiled(touched, finished)
+        sched = self.scheduler.schedule()
+        self._step_mask = None
         if not sched.is_empty:
             self._run(sched, touched, finished, start)
         self.num_preemptions += len(sched.preempted)
@@ -315,8 +364,11 @@ class LLMEngine:
         """Run the model and the sampler on a step: request id -> (token, logprobs) of each sampling row."""
         rows = self.runner.sample_rows(sched)
         sampling = [self.scheduler.requests[sched.scheduled[r].request_id] for r in rows]
+        # The grammar masks of constrained rows are filled in a thread while the model runs.
+        mask = self.structured.start_masks([r.request_id for r in sampling]) if self.structured.matchers else None
+        self._step_mask = mask
         meta = SamplingMetadata.from_requests(sampling, self.generators.for_requests(sampling),
-                                              self.model_config.vocab_size) if rows else None
+                                              self.model_config.vocab_size, mask) if rows else None
         result = self.runner.execute(sched, meta)
         if result is None:
             return {}
@@ -345,12 +397,19 @@ class LLMEngine:
         if parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
         parent.metrics.last_token_time = now
+        grammar_done, grammar_error = self.structured.accept(req.request_id, token)
         try:
             status = self.output_processor.on_token(parent.samples[req.index], token, logprob)
         except Exception as e:  # e.g. a tokenizer failure: this request ends, the others go on
             logger.exception("output processing failed for %s", req.request_id)
             parent.error = f"output processing failed: {e}"
             status = RequestStatus.FINISHED_ABORTED
+        if grammar_error is not None:  # only this request ends; the others in the step go on
+            logger.warning("request %s: %s", req.request_id, grammar_error)
+            parent.error = grammar_error
+            status = RequestStatus.FINISHED_ABORTED
+        elif status is None and grammar_done:  # the grammar is complete: nothing but EOS could follow
+            status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.scheduler.finish(req, status)
 
@@ -361,12 +420,15 @@ class LLMEngine:
 
     def _drop(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
+        self._awaiting_grammar.pop(parent.request_id, None)
         for s in parent.samples:
             self.sample_to_parent.pop(s.request.request_id, None)
             self.generators.drop(s.request.request_id)
+            self.structured.drop(s.request.request_id)
 
     def _record(self, sched: SchedulerOutput, start: float, finished: dict, q0: int, h0: int) -> None:
         pool = self.kv_manager.pool
+        mask = self._step_mask
         cached_free = pool.num_cached_free_blocks
         keep = self.config.keep_block_tables
         rec = StepRecord(
@@ -391,6 +453,9 @@ class LLMEngine:
             finished=finished,
             prefix_cache_queries=self.kv_manager.prefix_queries - q0,
             prefix_cache_hits=self.kv_manager.prefix_hits - h0,
+            num_constrained=0 if mask is None else len(mask.rows),
+            mask_s=0.0 if mask is None else mask.seconds,
+            mask_wait_s=0.0 if mask is None else mask.wait_seconds,
             block_tables={s.request_id: s.block_table for s in sched.scheduled} if keep else None,
         )
         self.step_records.append(rec)

@@ -43,6 +43,11 @@ class StepRecord:
     finished: dict[str, str] = field(default_factory=dict)  # request id → finish reason
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0
+    # Structured outputs: rows under a grammar this step, the time filling their token masks took (on its
+    # own thread, beside the forward pass) and how much of it the sampler still had to wait for.
+    num_constrained: int = 0
+    mask_s: float = 0.0
+    mask_wait_s: float = 0.0
     block_tables: dict[str, list[int]] | None = None  # only when the engine is asked to keep them
 
     def to_dict(self) -> dict:

@@ -49,6 +49,10 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts (give one or one per prompt)"
                 )
+        # Grammars compile here, before anything is added: an invalid schema is a ValueError, as in vLLM.
+        for p in params:
+            if isinstance(p, SamplingParams) and p.structured_outputs is not None:
+                self.engine.structured.compile(p.structured_outputs)
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -66,11 +70,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
+        """tools: OpenAI-shaped tool definitions for the chat template (the output is not parsed here)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [
-            {"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt), False)}
+            {"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt, tools), False)}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

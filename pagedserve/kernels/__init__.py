@@ -89,6 +89,10 @@ class CpuKernels:
     def argmax_rows(self, logits):
         return self.ext.argmax_rows(logits)
 
+    def apply_token_bitmask(self, logits, bitmask, rows) -> None:
+        """Structured outputs: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (in place)."""
+        self.ext.apply_token_bitmask(logits, bitmask, rows)
+
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale: float) -> None:
         self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale)
 

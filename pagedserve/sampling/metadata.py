@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagedserve.core.request import Request
+    from pagedserve.structured_output.manager import TokenMask
 
 
 @dataclass(slots=True)
@@ -42,10 +43,12 @@ class SamplingMetadata:
     penalties: list[Penalty] = field(default_factory=list)
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids): min_tokens
     num_logprobs: list[int | None] = field(default_factory=list)  # per row: top-N asked for, or None
+    # Structured outputs: the allowed tokens of the constrained rows, being filled while the model runs.
+    token_mask: TokenMask | None = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], generators: Sequence[torch.Generator | None] | None = None,
-                      vocab_size: int | None = None) -> SamplingMetadata:
+                      vocab_size: int | None = None, token_mask: TokenMask | None = None) -> SamplingMetadata:
         """vocab_size: the logits' width; banned ids beyond it (the tokenizer may know more) are dropped."""
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
@@ -82,6 +85,7 @@ class SamplingMetadata:
             penalties=penalties,
             banned=banned,
             num_logprobs=num_logprobs,
+            token_mask=token_mask,
         )
 
 

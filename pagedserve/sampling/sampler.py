@@ -1,9 +1,9 @@
 """The sampler, batched over every request that samples this step.
 
-Order (as vLLM): penalties → temperature → top-k / top-p / min-p → draw. Greedy rows take the argmax.
-Random rows draw with the exponential-race trick (argmax p / E, E ~ Exp(1)), which is exactly a
-categorical draw; a request with a seed draws its E from its own generator, so its tokens do not
-depend on what else is in the batch.
+Order (as vLLM): structured-output mask → penalties → temperature → top-k / top-p / min-p → draw.
+Greedy rows take the argmax. Random rows draw with the exponential-race trick (argmax p / E,
+E ~ Exp(1)), which is exactly a categorical draw; a request with a seed draws its E from its own
+generator, so its tokens do not depend on what else is in the batch.
 
 In the strict batch-invariant mode every reduction over the vocabulary (softmax, log-softmax, the
 top-p cumulative sum) runs row by row, so a row's numbers cannot depend on how many rows there are.
@@ -17,6 +17,7 @@ import torch
 
 from pagedserve.kernels import CpuKernels
 from pagedserve.sampling.metadata import Penalty, SamplingMetadata
+from pagedserve.structured_output.manager import apply_token_mask
 
 
 @dataclass(slots=True)
@@ -33,13 +34,19 @@ class Sampler:
         self.batch_invariant = batch_invariant
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [meta.num_rows, vocab], float32 (the model's head returns float32 in every dtype)."""
+        """logits: [meta.num_rows, vocab], float32 (the model's head returns float32 in every dtype). The
+        logprobs are those of the model's logits, before any mask or penalty (vLLM's raw logprobs)."""
         if self.kernels is not None and logits.device.type == "cpu" and meta.all_plain_greedy:
-            # Greedy with nothing to adjust or report: argmax straight on the model's logits.
+            # Greedy with nothing to adjust or report: argmax straight on the model's (masked) logits.
+            self._apply_token_mask(logits, meta)
             return SamplerOutput(_in_vocab(self.kernels.argmax_rows(logits).tolist(), logits.shape[1]),
                                  [None] * meta.num_rows)
         logits = logits.float()
         raw = logits
+        if meta.token_mask is not None:
+            if any(n is not None for n in meta.num_logprobs):
+                logits = logits.clone()  # the logprobs read the unmasked logits
+            self._apply_token_mask(logits, meta)
         logits = self._apply_min_tokens(logits, meta.banned)
         logits = self._apply_penalties(logits, meta.penalties)
         if meta.all_greedy:
@@ -50,6 +57,13 @@ class Sampler:
             tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
         token_list = _in_vocab(tokens.tolist(), logits.shape[1])
         return SamplerOutput(token_list, self._logprobs(raw, token_list, meta.num_logprobs))
+
+    def _apply_token_mask(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        """Structured outputs: the tokens a constrained row's grammar does not allow get -inf (in place)."""
+        if meta.token_mask is None:
+            return
+        rows, bitmask = meta.token_mask.result()  # waits for the fill that ran beside the forward pass
+        apply_token_mask(logits, rows, bitmask, self.kernels)
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> torch.Tensor:

@@ -11,6 +11,8 @@ import uvicorn
 from pagedserve.engine.async_engine import DEFAULT_MAX_QUEUE_LEN
 from pagedserve.entrypoints.cli.args import add_engine_args, engine_config_from_args
 from pagedserve.entrypoints.dashboard.serving import DASHBOARD_STEPS
+from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedserve.envs import ENV
 
 logger = logging.getLogger("pagedserve")
@@ -34,6 +36,12 @@ def register(sub) -> None:
                    help="seconds a request may wait and run in all; older ones end with an error (408)")
     p.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                    help="sequences that may wait for the batch; beyond, new requests get 429 with Retry-After")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are found in the model's output (hermes for the bundled model)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into message.reasoning_content")
     add_engine_args(p, positional_model=True)
     # Block tables per step feed the live /dashboard block map; a server keeps them (and its step records)
     # only for as many steps as the dashboard shows, so memory stays bounded however long it runs.
@@ -45,12 +53,17 @@ def cmd_serve(args: argparse.Namespace, config) -> int:
     from pagedserve.engine.async_engine import AsyncLLMEngine
     from pagedserve.engine.engine import LLMEngine
     from pagedserve.entrypoints.openai.api_server import build_app
+    from pagedserve.entrypoints.openai.serving_tools import ToolOptions
     from pagedserve.metrics import EngineMetrics
 
+    try:
+        tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+    except ValueError as e:
+        raise SystemExit(f"pagedserve serve: {e}") from None
     engine = LLMEngine(config)
     aengine = AsyncLLMEngine(engine, args.log_interval, EngineMetrics(engine), args.max_queue_len,
                              request_timeout_s=args.request_timeout)
-    app = build_app(engine, api_key=args.api_key, async_engine=aengine)
+    app = build_app(engine, api_key=args.api_key, async_engine=aengine, tool_options=tool_options)
     server = GracefulServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5),
         aengine,

@@ -35,6 +35,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.serving_chat import create_chat_completion
 from pagedserve.entrypoints.openai.serving_completion import create_completion
 from pagedserve.entrypoints.openai.serving_engine import ServerContext
+from pagedserve.entrypoints.openai.serving_tools import ToolOptions
 from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger("pagedserve")
@@ -53,10 +54,11 @@ def _field_path(error: dict) -> list[str]:
 def build_app(
     engine: LLMEngine, api_key: str | None = None, log_interval_s: float = 10.0,
     async_engine: AsyncLLMEngine | None = None, max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_options: ToolOptions | None = None,
 ) -> FastAPI:
+    """tool_options: --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (serving_tools.py)."""
     aengine = async_engine or AsyncLLMEngine(engine, log_interval_s, EngineMetrics(engine), max_queue_len)
-    ctx = ServerContext(engine, aengine)
+    ctx = ServerContext(engine, aengine, tool_options or ToolOptions())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -6,12 +6,14 @@ as plain dicts in the serving_*.py modules with the exact shapes OpenAI's client
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
 from pagedserve.sampling_params import MAX_N, SEED_MAX, SEED_MIN, SamplingParams, check_text
+from pagedserve.structured_output.params import StructuredOutputsParams
 
 # Prompts of one /v1/completions request, and sequences (prompts x n) it may start: a guard against one
 # request filling the whole engine.
@@ -70,6 +72,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    # OpenAI's field is `schema`; pydantic reserves the name, hence the alias.
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Fields both endpoints share."""
 
@@ -91,6 +106,52 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the request asks for (a 400 naming the field when it asks for two)."""
+        given: list[tuple[str, dict]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            rf = self.response_format
+            if rf.type == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            else:
+                if rf.json_schema is None or rf.json_schema.json_schema is None:
+                    raise OpenAIError("response_format: type json_schema needs json_schema.schema",
+                                      param="response_format")
+                given.append(("response_format", {"json": rf.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        for kind, value in guided.items():
+            if value is not None:
+                given.append((f"guided_{kind}", {kind: value}))
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+            raise OpenAIError(f"guided_decoding_backend: {self.guided_decoding_backend!r} is not available "
+                              "(this server has llguidance: 'guidance')", param="guided_decoding_backend")
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise OpenAIError(f"{given[0][0]}: give one structured-output constraint, got {names}",
+                              param=given[0][0])
+        name, spec = given[0]
+        if self.guided_whitespace_pattern is not None:
+            spec.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        try:
+            return StructuredOutputsParams.from_dict(spec, source=name)
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(f"{name}: {e}".replace(f"{name}: structured_outputs: ", f"{name}: "),
+                              param=name) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if not 1 <= self.n <= MAX_N:
@@ -107,6 +168,7 @@ class _SamplingFields(_Request):
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         repetition_penalty=self.repetition_penalty)
         values.update({k: v for k, v in optional.items() if v is not None})
+        values["structured_outputs"] = self.structured_outputs_params()
         try:
             return SamplingParams(**values)
         except ValueError as e:
@@ -134,16 +196,79 @@ class TextPart(_Request):
     text: StrictStr
 
 
+class FunctionCall(_Request):
+    name: StrictStr
+    arguments: StrictStr = "{}"
+
+
+class MessageToolCall(_Request):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a role "tool" message: the call it answers
+    reasoning_content: str | None = None  # sent back by clients; not shown to the template
 
     def as_template_dict(self) -> dict:
+        """The message as chat templates read it: tool-call arguments as objects (templates render them
+        with `tojson`), as vLLM hands them over."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": self.role, "content": content or ""}
+        d: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class FunctionDefinition(_Request):
+    name: StrictStr
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOOL_NAME.match(v):
+            raise ValueError("a function name is 1-64 characters of a-z, A-Z, 0-9, _, . and -")
+        return v
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -153,6 +278,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeCompletionRequest(_Request):

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages in, an assistant message out, through the model's chat template;
-streaming and non-streaming shapes, and the logprobs shape of this endpoint."""
+streaming and non-streaming shapes, and the logprobs shape of this endpoint. Tools, tool_choice and
+reasoning are planned and parsed in serving_tools.py; structured outputs compile in ServerContext."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from fastapi.responses import Response
 
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, OpenAIError
 from pagedserve.entrypoints.openai.serving_engine import (
-    Deltas,
     Run,
     ServerContext,
     SSEResponse,
@@ -21,33 +21,45 @@ from pagedserve.entrypoints.openai.serving_engine import (
     sse_chunk,
     usage,
 )
+from pagedserve.entrypoints.openai.serving_tools import ToolPlan
 from pagedserve.outputs import CompletionOutput, Logprob
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: Request):
     tok = ctx.tokenizer
     ctx.check_model(body.model)
-    text, ids = await ctx.in_tokenizer_thread(templated_ids, tok, body.messages, body.add_generation_prompt)
+    plan = ToolPlan.from_request(body, ctx.tool_options)
+    text, ids = await ctx.in_tokenizer_thread(templated_ids, tok, body.messages, body.add_generation_prompt,
+                                              plan.tools or None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
     top = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    forced = plan.structured_outputs()
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise OpenAIError(f"tool_choice: {plan.mode} tool calls cannot be combined with another "
+                              "structured-output constraint", param="tool_choice")
+        params = params.clone(structured_outputs=forced)
+    await ctx.compile_structured(params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = Run(ctx.async_engine)
     await run.add([(rid, {"prompt": text, "prompt_token_ids": ids})], params)
     created = int(time.time())
     if body.stream:
-        return SSEResponse(stream_chat(run, body, rid, created, ctx.model_name, len(ids), top), run)
+        return SSEResponse(stream_chat(run, body, rid, created, ctx.model_name, len(ids), top, plan), run)
     if not await run.wait(raw):
         return Response(status_code=499)
     out = run.finished[rid]
-    choices = [{
-        "index": o.index,
-        "message": {"role": "assistant", "content": o.text},
-        "logprobs": chat_logprobs(o, 0, len(o.token_ids), top) if body.logprobs else None,
-        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-    } for o in out.outputs]
+    choices = []
+    for o in out.outputs:
+        message, finish_reason = plan.message(o.text, o.finish_reason)
+        choices.append({
+            "index": o.index, "message": message,
+            "logprobs": chat_logprobs(o, 0, len(o.token_ids), top) if body.logprobs else None,
+            "finish_reason": finish_reason, "stop_reason": o.stop_reason,
+        })
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
         "choices": choices,
@@ -55,16 +67,18 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     }
 
 
-def templated_ids(tok, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[int]]:
-    text = apply_template(tok, messages, add_generation_prompt)
+def templated_ids(tok, messages: list[ChatMessage], add_generation_prompt: bool,
+                  tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    text = apply_template(tok, messages, add_generation_prompt, tools)
     return text, tok.encode(text, add_special_tokens=False)
 
 
-def apply_template(tok, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+def apply_template(tok, messages: list[ChatMessage], add_generation_prompt: bool,
+                   tools: list[dict] | None = None) -> str:
     if not messages:
         raise OpenAIError("messages: must be a non-empty list", param="messages")
     try:
-        return tok.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt)
+        return tok.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt, tools)
     except ValueError as e:
         raise OpenAIError.from_value_error(e) from None
     except Exception as e:  # a template that raises on this conversation (e.g. role order) is bad input
@@ -84,9 +98,11 @@ def chat_logprobs(o: CompletionOutput, start: int, end: int, k: int) -> dict:
 
 
 def stream_chat(run: Run, body: ChatCompletionRequest, rid: str, created: int, model: str,
-                 prompt_tokens: int, top: int) -> AsyncIterator[str]:
+                 prompt_tokens: int, top: int, plan: ToolPlan) -> AsyncIterator[str]:
     async def events() -> AsyncIterator[str]:
-        deltas = Deltas()
+        streamers = [plan.streamer() for _ in range(body.n)]
+        sent_tokens = [0] * body.n
+        done: set[int] = set()
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             return sse_chunk(rid, "chat.completion.chunk", created, model, choices, usage)
@@ -96,14 +112,20 @@ def stream_chat(run: Run, body: ChatCompletionRequest, rid: str, created: int, m
                           "finish_reason": None}])
         async for out in run.outputs():
             for o in out.outputs:
-                got = deltas.take(o.index, o)
-                if got is None:
+                if o.index in done:
                     continue
-                text, start, end = got
+                final = o.finish_reason is not None
+                delta = streamers[o.index].update(o.text, final)
+                if not delta and not final:
+                    continue  # nothing to show yet (held back: a stop string or a tool-call marker)
+                start, end = sent_tokens[o.index], len(o.token_ids)
+                sent_tokens[o.index] = end
+                if final:
+                    done.add(o.index)
                 lp = chat_logprobs(o, start, end, top) if body.logprobs else None
-                delta = {"content": text} if text else {}
                 yield chunk([{"index": o.index, "delta": delta, "logprobs": lp,
-                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
+                              "finish_reason": streamers[o.index].finish_reason(o.finish_reason),
+                              "stop_reason": o.stop_reason}])
         if body.include_usage:
             completion_tokens = sum(len(o.token_ids) for out in run.finished.values() for o in out.outputs)
             yield chunk([], usage(prompt_tokens, completion_tokens))

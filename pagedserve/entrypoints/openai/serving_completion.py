@@ -40,6 +40,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     if body.best_of is not None and body.best_of != body.n:
         raise OpenAIError("best_of: only best_of == n is supported", param="best_of")
     params = body.sampling_params(body.max_tokens, body.logprobs)
+    await ctx.compile_structured(params)
     if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
         raise OpenAIError(f"n: {len(prompts)} prompts x n={params.n} exceeds {MAX_SEQUENCES_PER_REQUEST} sequences "
                           "per request", param="n")

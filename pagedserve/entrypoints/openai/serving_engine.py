@@ -25,6 +25,7 @@ from pagedserve.engine.async_engine import (
 )
 from pagedserve.engine.engine import LLMEngine
 from pagedserve.entrypoints.openai.protocol import OpenAIError
+from pagedserve.entrypoints.openai.serving_tools import ToolOptions
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import Tokenizer
@@ -41,6 +42,7 @@ class ServerContext:
 
     engine: LLMEngine
     async_engine: AsyncLLMEngine
+    tool_options: ToolOptions = field(default_factory=ToolOptions)
     created_at: int = field(default_factory=lambda: int(time.time()))
     # Tokenizing and chat templating run here, off the event loop (one thread: the HF tokenizer is used
     # by one caller at a time besides the engine thread's incremental detokenizers).
@@ -50,6 +52,17 @@ class ServerContext:
 
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    async def compile_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (if any) off the event loop and the engine thread; an invalid
+        schema, regex or grammar is a 400 naming the problem. The engine then finds it in its cache."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await asyncio.wrap_future(self.engine.structured.submit(spec))
+        except ValueError as e:
+            raise OpenAIError.from_value_error(e) from None
 
     def close(self) -> None:
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)

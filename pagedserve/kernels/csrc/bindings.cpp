@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &pagedserve::rotary_write_kv, "rotary on q/k in place + K/V into the paged cache");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "SwiGLU: silu(gate) * up");
   m.def("argmax_rows", &pagedserve::argmax_rows, "first argmax of each row (greedy sampling)");
+  m.def("apply_token_bitmask", &pagedserve::apply_token_bitmask,
+        "structured outputs: -inf on the logits whose bit is clear in a row's token bitmask, in place");
   m.def("has_bf16_gemv", &pagedserve::has_bf16_gemv, "whether gemv_bf16 is built (AVX512-BF16)");
   m.def("gemv_bf16", &pagedserve::gemv_bf16, "x @ w.T (+ bias) for 1-4 rows of bf16, memory-bound");
   m.def("has_gguf_gemv", &pagedserve::has_gguf_gemv, "whether gemv_gguf is built (AVX-512)");

@@ -5,7 +5,9 @@
 // storage dtype wherever the reference materialises a bf16 tensor; arithmetic is float32.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common.h"
 
@@ -290,5 +292,44 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   return x;
 }
 #endif
+
+}  // namespace pagedserve
+
+namespace pagedserve {
+
+// Structured outputs: logits[rows[i], t] = -inf wherever bit t of bitmask row i is clear (word t / 32, bit
+// t % 32, llguidance's layout), in place. logits: [R, V] float32 with contiguous rows; bitmask: int32
+// [M, W] contiguous with 32 * W >= V; rows: int64 [M], distinct rows of logits.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == torch::kFloat32,
+              "apply_token_bitmask: logits must be float32 [R, V] with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == torch::kInt32,
+              "apply_token_bitmask: bitmask must be contiguous int32 [M, W]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.size(0) == bitmask.size(0),
+              "apply_token_bitmask: rows must be int64 [M]");
+  const int64_t R = logits.size(0), V = logits.size(1), ls = logits.stride(0);
+  const int64_t M = bitmask.size(0), W = bitmask.size(1);
+  TORCH_CHECK(32 * W >= V, "apply_token_bitmask: the bitmask is narrower than the vocabulary");
+  auto rows_c = rows.contiguous();
+  const int64_t* rp = rows_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < R, "apply_token_bitmask: row out of range");
+  float* x = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float* row = x + rp[i] * ls;
+      const uint32_t* word = bits + i * W;
+      for (int64_t w = 0; w * 32 < V; ++w) {
+        const uint32_t m = word[w];
+        if (m == 0xFFFFFFFFu) continue;  // all 32 allowed
+        const int64_t end = std::min<int64_t>(32, V - w * 32);
+        float* chunk = row + w * 32;
+        for (int64_t t = 0; t < end; ++t)
+          if (!((m >> t) & 1u)) chunk[t] = neg_inf;
+      }
+    }
+  });
+}
 
 }  // namespace pagedserve

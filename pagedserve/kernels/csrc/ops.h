@@ -15,6 +15,7 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
                      torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t H, int64_t KVH);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 bool has_bf16_gemv();
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool has_gguf_gemv();
