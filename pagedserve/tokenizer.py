@@ -113,7 +113,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        context = prompt_token_ids[-self.CONTEXT_TOKENS :]
+        context = list(prompt_token_ids[-self.CONTEXT_TOKENS :])
+        # A prompt that ends inside a UTF-8 character (token-id prompts can) would make the stream's first
+        # piece repeat the context's text: the context stops before such a tail.
+        while context and tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            context.pop()
         self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
     def decode(self, token_id: int) -> str:

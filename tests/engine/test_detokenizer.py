@@ -129,3 +129,12 @@ def test_earliest_of_several_stop_strings_wins(tok, prompt_ids):
     stop, _, _ = feed(detok, ids)
     assert stop == "br"
     assert detok.text == "The quick "
+
+
+def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(tok):
+    """Token-id prompts may end in the first bytes of a character; the output's text is its own tokens'."""
+    partial = next(i for i in range(1000, 40000) if tok.id_to_piece(i).endswith("\ufffd"))
+    prompt = tok.encode("Hello there my friend", add_special_tokens=False) + [partial]
+    out = tok.encode('{"a": 1}', add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert "".join(detok.decode(t) for t in out) == '{"a": 1}'

@@ -90,6 +90,88 @@ def run_throughput(args, config) -> dict:
     return result
 
 
+# The schema of `bench throughput --structured json`: nested objects, an enum, arrays and required fields
+# (what applications ask of a model), with bounds so an answer fits in --output-len tokens.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "role": {"enum": ["engineer", "doctor", "teacher", "artist", "other"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                     "country": {"type": "string", "maxLength": 30}},
+                    "required": ["city", "country"], "additionalProperties": False},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 5},
+    },
+    "required": ["name", "age", "role", "address", "skills"],
+    "additionalProperties": False,
+}
+
+
+def run_structured(args, config) -> dict:
+    """Every request under one JSON schema, then the same prompts unconstrained, each request generating
+    exactly as many tokens as it did under the schema (ignore_eos): the same work but for the masks, so
+    the ratio of output tok/s is what structured outputs cost. Both runs start with a cold prefix cache."""
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.structured_output.params import StructuredOutputsParams
+
+    llm = LLM(**{k: v for k, v in vars(config).items() if k != "model"}, model=config.model)
+    engine = llm.engine
+    schema = json.loads(Path(args.schema).read_text()) if args.schema else BENCH_SCHEMA
+    # Compact JSON by default: with free whitespace, random-token prompts make the small model pad every
+    # token with newlines, which measures nothing but whitespace.
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=not args.flexible_whitespace)
+    prompts = _load_prompts(args, config.seed)
+    inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+    warm = {"prompt_token_ids": random_prompts(1, 16, config.seed + 1)[0]}
+    llm.generate([warm], SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec), use_tqdm=False)
+    engine.reset_prefix_cache()
+
+    def timed(params) -> tuple[list, float, list]:
+        first = engine.step_count
+        start = time.perf_counter()
+        outs = llm.generate(inputs, params, use_tqdm=not args.quiet)
+        elapsed = time.perf_counter() - start
+        engine.reset_prefix_cache()
+        return outs, elapsed, [r for r in engine.step_records if r.step >= first]
+
+    constrained, t_c, steps_c = timed(SamplingParams(temperature=0, max_tokens=args.output_len,
+                                                     structured_outputs=spec))
+    lengths = [len(o.outputs[0].token_ids) for o in constrained]
+    plain, t_p, steps_p = timed([SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in lengths])
+    assert [len(o.outputs[0].token_ids) for o in plain] == lengths
+    tokens = sum(lengths)
+    valid = 0
+    for o in constrained:
+        try:
+            json.loads(o.outputs[0].text)
+            valid += 1
+        except ValueError:
+            pass
+    masked = [r for r in steps_c if r.num_constrained]
+    mask_s = sum(r.mask_s for r in masked)
+    wait_s = sum(r.mask_wait_s for r in masked)
+    step_s = sum(r.duration_s for r in steps_c)
+    return {
+        "mode": "throughput", "structured": "json", "engine": "pagedserve", "model": engine.served_model_name,
+        "dtype": str(engine.dtype).removeprefix("torch."), "num_prompts": len(inputs), "input_len": args.input_len,
+        "output_len": args.output_len, "output_tokens": tokens,
+        "finished_by_grammar": sum(o.outputs[0].finish_reason == "stop" for o in constrained),
+        "valid_json": valid, "flexible_whitespace": args.flexible_whitespace,
+        "example_output": constrained[0].outputs[0].text[:400],
+        "structured_elapsed_s": t_c, "structured_output_tokens_per_s": tokens / t_c,
+        "plain_elapsed_s": t_p, "plain_output_tokens_per_s": tokens / t_p,
+        "structured_vs_plain": t_p / t_c,
+        "steps": len(steps_c), "plain_steps": len(steps_p),
+        "mask_ms_per_step": 1e3 * mask_s / max(len(masked), 1),
+        "mask_wait_ms_per_step": 1e3 * wait_s / max(len(masked), 1),
+        "mask_share_of_step_time": mask_s / step_s if step_s else 0.0,
+        "mask_wait_share_of_step_time": wait_s / step_s if step_s else 0.0,
+        "machine": machine_info(),
+    }
+
+
 def run_hf_generate(model_path: str, dtype: torch.dtype, prompts: list, output_len: int) -> dict:
     """HF transformers `generate` as a static batch over the same prompts, same dtype, greedy."""
     from transformers import AutoTokenizer
@@ -342,6 +424,12 @@ def register(sub) -> None:
                            help="dtype of the HF run (default: the engine's)")
             m.add_argument("--shared-prefix-len", type=int, default=0,
                            help="make the first N prompt tokens common to all prompts (prefix caching)")
+            m.add_argument("--structured", choices=["json"], default=None,
+                           help="every request under one JSON schema, compared with the same work unconstrained")
+            m.add_argument("--schema", default=None, help="with --structured json: a JSON schema file "
+                           "(default: a nested object with an enum and an array)")
+            m.add_argument("--flexible-whitespace", action="store_true",
+                           help="with --structured json: allow whitespace between JSON tokens (default: compact)")
         if mode == "latency":
             m.add_argument("--num-iters", type=int, default=3)
             m.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")
@@ -366,7 +454,10 @@ def register(sub) -> None:
                 result = run_serve(args)
             else:
                 config = engine_config_from_args(args)
-                result = (run_throughput if mode == "throughput" else run_latency)(args, config)
+                if mode == "throughput" and args.structured:
+                    result = run_structured(args, config)
+                else:
+                    result = (run_throughput if mode == "throughput" else run_latency)(args, config)
             _write_json(args, result)
             return 0
 
