@@ -121,3 +121,13 @@ def test_env_is_read_in_one_module():
     readers = sorted(mod for mod, path in MODULES.items() if "os.environ" in path.read_text()
                      or "getenv(" in path.read_text())
     assert readers == ["pagedserve.envs"]
+
+
+def test_the_kernel_units_compile_every_source_once():
+    """csrc/unit_*.cpp include the kernel sources (two translation units build faster than seven)."""
+    import re
+
+    from pagedserve.kernels.build import SOURCES, UNITS
+
+    included = [name for unit in UNITS for name in re.findall(r'#include "(.+?\.cpp)"', unit.read_text())]
+    assert sorted(included) == sorted(s.name for s in SOURCES)

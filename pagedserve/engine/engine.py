@@ -320,6 +320,8 @@ class LLMEngine:
         self._admit_compiled(touched, finished)
         sched = self.scheduler.schedule()
         self._step_mask = None
+        if sched.is_empty and not touched and not finished and self._awaiting_grammar:
+            return []  # only waiting for grammars to compile: nothing to record
         if not sched.is_empty:
             self._run(sched, touched, finished, start)
         self.num_preemptions += len(sched.preempted)
