@@ -12,8 +12,9 @@ later token could reveal, so nothing shown as content can turn out to be reasoni
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
+
+from pagedserve.entrypoints.openai.registry import Registry
 
 
 def _hold_back(text: str, marker: str) -> str:
@@ -62,26 +63,9 @@ class ReasoningParser:
         return (body if final else _hold_back(body, self.end_token)), ""
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    """Class decorator: `@register_reasoning_parser("x")` makes the class the parser named x."""
-
-    def register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        cls.name = name
-        REASONING_PARSERS[name] = cls
-        return cls
-
-    return register
-
-
-def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        choices = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"reasoning_parser: unknown parser {name!r} (choose from {choices})") from None
+REASONING_PARSERS: Registry[type[ReasoningParser]] = Registry("reasoning_parser")
+register_reasoning_parser = REASONING_PARSERS.register  # class decorator: @register_reasoning_parser("name")
+get_reasoning_parser = REASONING_PARSERS.get_class
 
 
 @register_reasoning_parser("deepseek_r1")

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from pagedserve.entrypoints.openai.registry import Registry
+
 
 def _openai_call_id() -> str:
     return "call_" + secrets.token_hex(12)
@@ -237,26 +239,9 @@ class ToolParser:
         return PartialParse(content, calls)
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator: `@register_tool_parser("x")` makes the class the parser named x."""
-
-    def register(cls: type[ToolParser]) -> type[ToolParser]:
-        cls.name = name
-        TOOL_PARSERS[name] = cls
-        return cls
-
-    return register
-
-
-def get_tool_parser(name: str) -> type[ToolParser]:
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        choices = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"tool_call_parser: unknown parser {name!r} (choose from {choices})") from None
+TOOL_PARSERS: Registry[type[ToolParser]] = Registry("tool_call_parser")
+register_tool_parser = TOOL_PARSERS.register  # class decorator: @register_tool_parser("name")
+get_tool_parser = TOOL_PARSERS.get_class
 
 
 @register_tool_parser("hermes")
