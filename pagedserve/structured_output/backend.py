@@ -118,18 +118,23 @@ class GuidanceBackend:
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher for `params` (from the cache when the same spec was compiled before)."""
+        return self.template(params).deep_copy()
+
+    def template(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The cached matcher of `params` in its initial state, compiled first if needed; never advance it
+        (requests get copies)."""
         key = params.cache_key()
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
-                return template.deep_copy()
+                return template
         template = self._compile(params)
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > COMPILE_CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return template.deep_copy()
+        return template
 
     def is_cached(self, params: StructuredOutputsParams) -> bool:
         with self._lock:

@@ -59,9 +59,18 @@ class StructuredOutputManager:
         self._executor: llguidance.LLExecutor | None = None
 
     # ---- compiling -----------------------------------------------------------------------------------
-    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """Compile now, on the caller's thread (ValueError naming the problem)."""
-        return self.backend.compile(params)
+    def compile(self, params: StructuredOutputsParams) -> None:
+        """Compile into the cache now, on the caller's thread (ValueError naming the problem)."""
+        self.backend.template(params)
+
+    def prepare(self, params: StructuredOutputsParams) -> Future:
+        """A future that resolves once `params` is compiled into the cache, on the compile thread (the
+        server's check before it adds a request; the engine's `submit` then finds it cached)."""
+        if self.backend.is_cached(params):
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+        return self._compile_pool.submit(self.backend.template, params)
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A future of a fresh matcher. Cached specs resolve at once, on the caller's thread."""
@@ -80,9 +89,6 @@ class StructuredOutputManager:
 
     def drop(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
-
-    def has(self, request_id: str) -> bool:
-        return request_id in self.matchers
 
     def accept(self, request_id: str, token: int) -> tuple[bool, str | None]:
         """Advance a sequence's matcher by its sampled token: (grammar finished, error or None)."""
@@ -113,11 +119,6 @@ class StructuredOutputManager:
             return time.perf_counter() - t0
 
         return TokenMask(torch.tensor(rows, dtype=torch.long), bitmask, self._mask_pool.submit(fill))
-
-    def close(self) -> None:
-        for pool in (self._compile_pool, self._mask_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
 
 
 def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, kernels=None) -> None:

@@ -60,7 +60,7 @@ class ServerContext:
         if spec is None:
             return
         try:
-            await asyncio.wrap_future(self.engine.structured.submit(spec))
+            await asyncio.wrap_future(self.engine.structured.prepare(spec))
         except ValueError as e:
             raise OpenAIError.from_value_error(e) from None
 
