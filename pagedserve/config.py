@@ -89,6 +89,12 @@ class EngineConfig:
     keep_dequantized_weights: bool = _env_knob(
         "keep_dequantized_weights", "keep the last GGUF's dequantized weights in memory (many engines in one "
         "process)", cli=False)
+    # ---- speculative decoding ----
+    speculative_config: dict | None = _knob(
+        None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}; pagedserve adds draft_num_layers, disable_by_batch_size and backoff '
+        '(docs/ARCHITECTURE.md)')
     # ---- tracing ----
     keep_block_tables: bool = _knob(False, "record every step's block tables (trace / explain / dashboard)",
                                     cli=False)
@@ -124,6 +130,10 @@ class EngineConfig:
         if self.batch_invariant and (not self.use_cpp_kernels or self.attention_backend != "batched"):
             raise ValueError("batch_invariant: needs the C++ kernels and attention_backend='batched' (its "
                              "fixed-order matmul and attention are C++ kernels)")
+        if self.speculative_config is not None:
+            from pagedserve.spec_decode.config import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config).to_dict()
         if not isinstance(self.cpu_arch, str) or not self.cpu_arch:
             raise ValueError(f"cpu_arch: must be a -march name, got {self.cpu_arch!r}")
 

@@ -78,9 +78,11 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: list[Block] | None = None
+        self, request: Request, num_new_tokens: int, computed: list[Block] | None = None, cache: bool = True
     ) -> list[Block] | None:
-        """Make room for `num_new_tokens` more tokens (after any cache hits); None if blocks run out."""
+        """Make room for `num_new_tokens` more tokens (after any cache hits); None if blocks run out.
+        cache=False: do not offer full blocks to the prefix cache now (slots reserved ahead of the step that
+        writes them, e.g. a draft model's lookahead)."""
         computed = computed or []
         owned = self.req_blocks.get(request.request_id, [])
         total_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
@@ -94,9 +96,24 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         blocks.extend(computed)
         blocks.extend(new_blocks)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache:
             self._cache_full_blocks(request, blocks, total_tokens)
         return new_blocks
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks that `num_tokens` tokens need: lookahead slots of rejected draft tokens go
+        back to the pool (tail first). Blocks offered to the prefix cache are never among them: those hold
+        real tokens only, all within num_computed_tokens."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        offered = self.req_num_offered.get(request.request_id, 0)
+        if offered > keep:
+            self.req_num_offered[request.request_id] = keep
+        self.pool.release(list(reversed(extra)))
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         # Tokens up to num_tokens have their K/V written in this step (before any read, per layer),

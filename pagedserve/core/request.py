@@ -46,6 +46,9 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule (-1: not scheduled yet)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Speculative decoding: draft tokens proposed for the next step (never part of all_token_ids: only the
+    # ones the target accepts become tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -5,6 +5,11 @@ go first (a decode token each, or their next prefill chunk), then waiting reques
 until the token budget (`max_num_batched_tokens`) or `max_num_seqs` is used up. A prompt larger than
 what is left of the budget is prefilled in chunks over several steps. When blocks run out the newest
 running request is preempted (blocks freed, recomputed later) and no new request is admitted that step.
+
+Speculative decoding: a decoding request may carry draft tokens (`Request.spec_token_ids`). They count
+against the token budget and get lookahead KV slots like any token; when the budget or the blocks fall
+short, drafts are dropped before anything else (never a preemption for a guess). After the step, only the
+accepted drafts count as computed, and the slots of rejected ones go back to the pool (`update`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class ScheduledRequest:
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     is_prefill: bool
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens, the tail of token_ids
 
 
 @dataclass
@@ -34,6 +40,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits admitted this step
+    num_spec_tokens: int = 0  # draft tokens scheduled (part of num_scheduled_tokens and num_decode_tokens)
 
     @property
     def is_empty(self) -> bool:
@@ -100,14 +107,18 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while self.kv.allocate_slots(req, num_new) is None:
+            spec = req.spec_token_ids[: budget - 1] if req.num_tokens - req.num_computed_tokens == 1 else []
+            while self.kv.allocate_slots(req, num_new + len(spec)) is None:
+                if spec:  # drop the guesses before taking anyone's blocks
+                    spec = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                self._emit(req, num_new, out)
-                budget -= num_new
+                self._emit(req, num_new, out, spec)
+                budget -= num_new + len(spec)
                 i += 1
         return budget
 
@@ -117,6 +128,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         # The victim is the newest running request, so it was not scheduled earlier in this step.
@@ -141,36 +153,52 @@ class Scheduler:
             self._emit(req, num_new, out)
             budget -= num_new
 
-    def _emit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _emit(self, req: Request, num_new: int, out: SchedulerOutput, spec: list[int] | None = None) -> None:
         start = req.num_computed_tokens
         end = start + num_new
         is_prefill = start < req.num_prompt_tokens or end < req.num_tokens or num_new > 1
+        spec = list(spec or ())
         out.scheduled.append(
             ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=req.all_token_ids[start:end],
+                token_ids=req.all_token_ids[start:end] + spec,
                 start_pos=start,
                 block_table=self.kv.block_table(req.request_id),
                 sample=end == req.num_tokens,
                 is_prefill=is_prefill,
+                spec_token_ids=spec,
             )
         )
-        out.num_scheduled_tokens += num_new
+        out.num_scheduled_tokens += num_new + len(spec)
+        out.num_spec_tokens += len(spec)
         if is_prefill:
             out.num_prefill_tokens += num_new
         else:
-            out.num_decode_tokens += num_new
+            out.num_decode_tokens += num_new + len(spec)
 
     # ---- after the model ran ---------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance computed counts and append the sampled tokens. Whether a request stops is decided by
-        the engine (engine/stop.py), which then calls `finish`."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]], on_token=None) -> None:
+        """Advance computed counts and append the sampled tokens: one per sampling request, or with drafts the
+        accepted drafts and one more. Whether a request stops is decided by the engine (engine/stop.py):
+        `on_token(request, index, token)` runs after each token is appended and returns True when the request
+        finished (it then calls `finish`); the tokens after that one are dropped."""
         for s in out.scheduled:
-            req = self.requests[s.request_id]
-            req.num_computed_tokens += len(s.token_ids)
-            token = sampled.get(s.request_id)
-            if token is not None:
+            req = self.requests.get(s.request_id)
+            if req is None:
+                continue
+            tokens = sampled.get(s.request_id)
+            if isinstance(tokens, int):
+                tokens = [tokens]
+            num_drafts = len(s.spec_token_ids)
+            accepted = len(tokens) - 1 if tokens and num_drafts else 0
+            req.num_computed_tokens += len(s.token_ids) - num_drafts + accepted
+            req.spec_token_ids = []
+            # Lookahead slots of rejected (or dropped) drafts go back; without drafts this frees nothing.
+            self.kv.trim(req, req.num_computed_tokens)
+            for i, token in enumerate(tokens or ()):
                 req.append_output_token(token)
+                if on_token is not None and on_token(req, i, token):
+                    break
 
     def finish(self, req: Request, status: RequestStatus, keep_cached: bool = True) -> None:
         """Finish (or abort) a request in any state and free its blocks at once (keep_cached: see

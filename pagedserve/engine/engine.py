@@ -31,7 +31,10 @@ from pagedserve.kernels import CpuKernels
 from pagedserve.model.loader import load_model, resolve_dtype
 from pagedserve.outputs import RequestMetrics, RequestOutput
 from pagedserve.sampling.metadata import RequestGenerators, SamplingMetadata
+from pagedserve.sampling.rejection_sampler import VerifyOutput
 from pagedserve.sampling_params import SamplingParams, check_text
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.speculator import Speculator
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.tokenizer import Tokenizer
 from pagedserve.worker.kv_cache import allocate_kv_cache
@@ -93,6 +96,10 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self._awaiting_grammar: dict[str, tuple[list[Request], Future]] = {}
         self._step_mask = None  # the structured-output mask of the step running now (for its record)
+        # Speculative decoding: proposals (n-gram lookup or a draft model) checked by the target each step.
+        self.speculative_config = SpeculativeConfig.from_value(config.speculative_config)
+        self.speculator = Speculator.create(self.speculative_config, self) if self.speculative_config else None
+        self._step_spec: tuple[dict[str, list[int]], dict[str, int]] = ({}, {})  # this step's drafts, accepted
         # Running totals (metrics read these).
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -286,6 +293,7 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             finished_by_reason=dict(self.finished_by_reason),
+            spec_decode=self.speculator.stats.copy() if self.speculator is not None else None,
         )
 
     def get_request(self, request_id: str) -> RequestInfo | None:
@@ -318,6 +326,10 @@ class LLMEngine:
         touched: dict[str, ParentState] = {}
         finished, self._finished_between_steps = self._finished_between_steps, {}
         self._admit_compiled(touched, finished)
+        self._step_spec = ({}, {})
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.step_count, self.max_model_len,
+                                    self.structured.matchers.__contains__)
         sched = self.scheduler.schedule()
         self._step_mask = None
         if sched.is_empty and not touched and not finished and self._awaiting_grammar:
@@ -352,20 +364,36 @@ class LLMEngine:
             sched = dataclasses.replace(
                 sched, scheduled=[s for s in sched.scheduled if s.request_id in self.scheduler.requests])
             sampled = {rid: v for rid, v in sampled.items() if rid in self.scheduler.requests}
-        self.scheduler.update(sched, {rid: tok for rid, (tok, _) in sampled.items()})
         now = time.time()
-        for rid, (token, logprob) in sampled.items():
-            req = self.scheduler.requests[rid]
-            parent = self.sample_to_parent[rid]
+
+        def on_token(req: Request, i: int, token: int) -> bool:
+            parent = self.sample_to_parent[req.request_id]
             touched[parent.request_id] = parent
-            self._on_token(parent, req, token, logprob, now)
+            self._on_token(parent, req, token, sampled[req.request_id][1][i], now)
             if req.is_finished:
                 self._count_finish(req, finished)
+                return True
+            return False
 
-    def _execute(self, sched: SchedulerOutput) -> dict[str, tuple[int, Any]]:
-        """Run the model and the sampler on a step: request id -> (token, logprobs) of each sampling row."""
+        drafts = {s.request_id: s.spec_token_ids for s in sched.scheduled if s.spec_token_ids}
+        proposed = [r for r in self.scheduler.running if r.spec_token_ids] if self.speculator else []
+        self.scheduler.update(sched, {rid: toks for rid, (toks, _) in sampled.items()}, on_token)
+        if self.speculator is not None:
+            accepted = {rid: len(sampled[rid][0]) - 1 for rid in drafts if rid in sampled}
+            self._step_spec = ({rid: list(d) for rid, d in drafts.items()}, accepted)
+            for req in proposed:
+                self.speculator.on_verified(req, len(drafts.get(req.request_id, ())),
+                                            accepted.get(req.request_id, 0), self.step_count)
+                req.spec_token_ids = []  # not scheduled this step: the next one proposes afresh
+
+    def _execute(self, sched: SchedulerOutput) -> dict[str, tuple[list[int], list[Any]]]:
+        """Run the model and the sampler on a step: request id -> (tokens, their logprobs) of each sampling
+        row: one token, or with drafts the accepted ones and one more."""
         rows = self.runner.sample_rows(sched)
-        sampling = [self.scheduler.requests[sched.scheduled[r].request_id] for r in rows]
+        requests = [self.scheduler.requests[sched.scheduled[r].request_id] for r in rows]
+        # One sampling row per scored position: a request with k drafts has k + 1.
+        sampling = [req for r, req in zip(rows, requests, strict=True)
+                    for _ in range(1 + len(sched.scheduled[r].spec_token_ids))]
         # The grammar masks of constrained rows are filled in a thread while the model runs.
         mask = self.structured.start_masks([r.request_id for r in sampling]) if self.structured.matchers else None
         self._step_mask = mask
@@ -374,7 +402,10 @@ class LLMEngine:
         result = self.runner.execute(sched, meta)
         if result is None:
             return {}
-        return {r.request_id: (t, lp) for r, t, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)}
+        if isinstance(result, VerifyOutput):
+            return {r.request_id: (t, lp) for r, t, lp in zip(requests, result.token_ids, result.logprobs, strict=True)}
+        return {r.request_id: ([t], [lp])
+                for r, t, lp in zip(requests, result.token_ids, result.logprobs, strict=True)}
 
     def _execute_one_by_one(self, sched: SchedulerOutput, touched: dict, finished: dict) -> dict:
         """After a failed step: each scheduled request alone (re-writing a K/V slot writes the same values,
@@ -427,6 +458,8 @@ class LLMEngine:
             self.sample_to_parent.pop(s.request.request_id, None)
             self.generators.drop(s.request.request_id)
             self.structured.drop(s.request.request_id)
+            if self.speculator is not None:
+                self.speculator.drop(s.request.request_id)
 
     def _record(self, sched: SchedulerOutput, start: float, finished: dict, q0: int, h0: int) -> None:
         pool = self.kv_manager.pool
@@ -458,6 +491,11 @@ class LLMEngine:
             num_constrained=0 if mask is None else len(mask.rows),
             mask_s=0.0 if mask is None else mask.seconds,
             mask_wait_s=0.0 if mask is None else mask.wait_seconds,
+            num_spec_tokens=sched.num_spec_tokens,
+            num_accepted_tokens=sum(self._step_spec[1].values()),
+            spec_drafts=self._step_spec[0],
+            spec_accepted=self._step_spec[1],
+            propose_s=self.speculator.last_propose_s if self.speculator is not None else 0.0,
             block_tables={s.request_id: s.block_table for s in sched.scheduled} if keep else None,
         )
         self.step_records.append(rec)

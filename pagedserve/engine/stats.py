@@ -5,6 +5,10 @@ the KV cache manager or the block pool."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.spec_decode.speculator import SpecDecodeStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +29,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found there
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's totals (None: not configured)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -48,6 +48,13 @@ class StepRecord:
     num_constrained: int = 0
     mask_s: float = 0.0
     mask_wait_s: float = 0.0
+    # Speculative decoding: draft tokens scored this step (part of num_decode_tokens), how many of them the
+    # target accepted, per request what was proposed (as scheduled) and kept, and the proposing time.
+    num_spec_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_drafts: dict[str, list[int]] = field(default_factory=dict)
+    spec_accepted: dict[str, int] = field(default_factory=dict)
+    propose_s: float = 0.0
     block_tables: dict[str, list[int]] | None = None  # only when the engine is asked to keep them
 
     def to_dict(self) -> dict:

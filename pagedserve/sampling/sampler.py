@@ -41,6 +41,17 @@ class Sampler:
             self._apply_token_mask(logits, meta)
             return SamplerOutput(_in_vocab(self.kernels.argmax_rows(logits).tolist(), logits.shape[1]),
                                  [None] * meta.num_rows)
+        raw, logits = self.adjust(logits, meta)
+        if meta.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            drawn = self._draw(self.probs(logits, meta), meta.generators)
+            tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
+        token_list = _in_vocab(tokens.tolist(), logits.shape[1])
+        return SamplerOutput(token_list, self.logprobs(raw, token_list, meta.num_logprobs))
+
+    def adjust(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the raw float32 logits, the logits after the grammar mask, min_tokens and the penalties)."""
         logits = logits.float()
         raw = logits
         if meta.token_mask is not None:
@@ -48,15 +59,11 @@ class Sampler:
                 logits = logits.clone()  # the logprobs read the unmasked logits
             self._apply_token_mask(logits, meta)
         logits = self._apply_min_tokens(logits, meta.banned)
-        logits = self._apply_penalties(logits, meta.penalties)
-        if meta.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            probs = self._softmax(self._filter(logits / meta.temperature, meta))
-            drawn = self._draw(probs, meta.generators)
-            tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
-        token_list = _in_vocab(tokens.tolist(), logits.shape[1])
-        return SamplerOutput(token_list, self._logprobs(raw, token_list, meta.num_logprobs))
+        return raw, self._apply_penalties(logits, meta.penalties)
+
+    def probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row draws from: temperature, then top-k / top-p / min-p."""
+        return self._softmax(self._filter(logits / meta.temperature, meta))
 
     def _apply_token_mask(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
         """Structured outputs: the tokens a constrained row's grammar does not allow get -inf (in place)."""
@@ -135,8 +142,14 @@ class Sampler:
                 q[i].exponential_(generator=g)
         return (probs / q).argmax(dim=-1)
 
+    def draw_one(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One categorical draw from a [vocab] row of (unnormalised) probabilities, consuming the generator
+        exactly as `_draw` does for that row (a seeded request draws the same token either way)."""
+        q = torch.empty_like(probs).exponential_(generator=generator or self.generator)
+        return int((probs / q).argmax())
+
     # ---- logprobs --------------------------------------------------------------------------------
-    def _logprobs(self, raw: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]):
+    def logprobs(self, raw: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]):
         rows = [i for i, n in enumerate(num_logprobs) if n is not None]
         result: list = [None] * len(num_logprobs)
         if not rows:

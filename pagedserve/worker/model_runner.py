@@ -19,6 +19,7 @@ from pagedserve.kernels import CpuKernels
 from pagedserve.model.llama import KVCache, LlamaForCausalLM
 from pagedserve.model.matmul import Route
 from pagedserve.sampling.metadata import SamplingMetadata
+from pagedserve.sampling.rejection_sampler import VerifyOutput, verify
 from pagedserve.sampling.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger("pagedserve")
@@ -94,7 +95,13 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
-        logits_indices = query_start_loc[1:][self.sample_rows(out)] - 1
+        if any(s.spec_token_ids for s in sched):  # a request with k drafts is scored at its last k + 1 positions
+            ends = query_start_loc[1:].tolist()
+            logits_indices = torch.tensor([p for i in self.sample_rows(out)
+                                           for p in range(ends[i] - 1 - len(sched[i].spec_token_ids), ends[i])],
+                                          dtype=torch.long)
+        else:
+            logits_indices = query_start_loc[1:][self.sample_rows(out)] - 1
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
@@ -112,12 +119,18 @@ class ModelRunner:
         return [i for i, s in enumerate(out.scheduled) if s.sample]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> SamplerOutput | None:
-        """Run the step; the sampled tokens of the `sample_rows` (None when no row samples)."""
+    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> SamplerOutput | VerifyOutput | None:
+        """Run the step; the sampled tokens of the `sample_rows` (None when no row samples). With draft
+        tokens in the step, what the rejection sampler kept of each sampling row's drafts (VerifyOutput);
+        `sampling` then has one row per scored position."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         logits = self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices)
+        rows = self.sample_rows(out)
         if self.on_logits is not None:
-            self.on_logits([out.scheduled[r].request_id for r in self.sample_rows(out)], logits)
+            ids = [out.scheduled[r].request_id for r in rows for _ in range(1 + len(out.scheduled[r].spec_token_ids))]
+            self.on_logits(ids, logits)
         if sampling is None:
             return None
+        if any(out.scheduled[r].spec_token_ids for r in rows):
+            return verify(self.sampler, logits, sampling, [out.scheduled[r].spec_token_ids for r in rows])
         return self.sampler(logits, sampling)

@@ -14,6 +14,8 @@ _TYPES = {"int": int, "float": float, "str": str}
 def _flag_type(annotation: str):
     """'int | None' -> int, 'bool' -> bool, ..."""
     base = [t.strip() for t in annotation.split("|") if t.strip() != "None"]
+    if base == ["dict"]:
+        return str  # a JSON object on the command line (the config parses and checks it)
     if len(base) != 1 or base[0] not in (*_TYPES, "bool"):
         raise TypeError(f"EngineConfig field type {annotation!r} has no command-line form")
     return bool if base[0] == "bool" else _TYPES[base[0]]
