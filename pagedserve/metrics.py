@@ -70,6 +70,21 @@ class _EngineCollector:
         for reason, count in sorted(stats.finished_by_reason.items()):
             success.add_metric([name, reason], count)
         yield success
+        spec = stats.spec_decode
+        if spec is not None:  # speculative decoding, with vLLM's names
+            yield counter("spec_decode_num_drafts", "Draft proposals verified (one per request per step).",
+                          spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                          spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                          spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
+                labels=["model_name", "position"],
+            )
+            for pos, count in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([name, str(pos)], count)
+            yield per_pos
 
 
 class EngineMetrics:
@@ -142,5 +157,10 @@ class EngineMetrics:
             f"{s1.num_running} reqs, Waiting: {s1.num_waiting} reqs, KV cache usage: {100 * s1.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {hit:.1f}%"
         )
+        if s1.spec_decode is not None:
+            drafted = s1.spec_decode.num_draft_tokens - (s0.spec_decode.num_draft_tokens if s0.spec_decode else 0)
+            kept = s1.spec_decode.num_accepted_tokens - (s0.spec_decode.num_accepted_tokens if s0.spec_decode else 0)
+            line += (f", Spec decode: {kept} of {drafted} draft tokens accepted"
+                     f" ({100.0 * kept / drafted if drafted else 0.0:.1f}%)")
         logger.info(line)
         return line

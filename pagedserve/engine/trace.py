@@ -85,17 +85,60 @@ def _step_dict(r, t0: float) -> dict:
     return d
 
 
-def _segments(states: list[tuple[int, str, int]]) -> list[dict]:
-    """Merge per-step states into runs; each prefill chunk stays its own segment."""
+def _segments(states: list[tuple[int, str, int, int, int]]) -> list[dict]:
+    """Merge per-step states into runs; each prefill chunk stays its own segment.
+
+    `tokens` are the tokens scored (as scheduled, draft tokens included); a segment in which the request
+    speculated also carries `draft_tokens` and `accepted_tokens`."""
     segs: list[dict] = []
-    for step, state, tokens in states:
+    for step, state, tokens, drafts, accepted in states:
         last = segs[-1] if segs else None
         if last and last["state"] == state and state != PREFILL and last["to"] == step - 1:
             last["to"] = step
             last["tokens"] += tokens
         else:
-            segs.append({"state": state, "from": step, "to": step, "tokens": tokens})
+            last = {"state": state, "from": step, "to": step, "tokens": tokens}
+            segs.append(last)
+        if drafts:
+            last["draft_tokens"] = last.get("draft_tokens", 0) + drafts
+            last["accepted_tokens"] = last.get("accepted_tokens", 0) + accepted
     return segs
+
+
+def _spec_totals(recs: list, spec_config) -> dict:
+    """Speculative decoding over the steps shown: proposals verified, draft tokens, accepted ones and how
+    many were accepted at each draft position (as SpecDecodeStats counts them)."""
+    drafts = [(len(d), r.spec_accepted.get(rid, 0)) for r in recs for rid, d in r.spec_drafts.items() if d]
+    k = spec_config.num_speculative_tokens if spec_config is not None else max((n for n, _ in drafts), default=0)
+    per_pos = [0] * k
+    for _, a in drafts:
+        for i in range(min(a, k)):
+            per_pos[i] += 1
+    draft_tokens = sum(r.num_spec_tokens for r in recs)
+    accepted = sum(r.num_accepted_tokens for r in recs)
+    return {
+        "drafts": len(drafts),
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
+        "accepted_per_pos": per_pos,
+    }
+
+
+def _split_lookahead(recs: list, held_by_step: list[dict[str, dict]], block_size: int) -> None:
+    """A step's block table is taken when it is scheduled: with drafts it holds lookahead blocks for their
+    slots, and those of rejected drafts go back to the pool at the end of the step. Where the tokens kept
+    are known, keep only the blocks they fill; the returned ones become `draft_blocks` of that step."""
+    for r, held in zip(recs, held_by_step, strict=True):
+        for rid, h in held.items():
+            if h["tokens"] is None:
+                continue
+            keep = -(-h["tokens"] // block_size)
+            if len(h["blocks"]) > keep:
+                extra = h["blocks"][keep:]
+                h["blocks"] = h["blocks"][:keep]
+                if rid in r.spec_drafts:
+                    h["draft_blocks"] = extra
 
 
 def engine_trace_data(engine: LLMEngine, max_steps: int | None = None,
@@ -133,6 +176,8 @@ def engine_trace_data(engine: LLMEngine, max_steps: int | None = None,
         requests.append(_request_entry(rid, arrivals[rid], recs, first, rec, engine.get_request(rid),
                                        stats.step_count, held_by_step))
 
+    _split_lookahead(recs, held_by_step, cfg.block_size)
+    spec = engine.speculative_config
     totals = {
         "steps": len(recs),
         "scheduled_tokens": sum(r.num_scheduled_tokens for r in recs),
@@ -143,6 +188,7 @@ def engine_trace_data(engine: LLMEngine, max_steps: int | None = None,
         "prompt_tokens": sum(q["prompt_tokens"] or 0 for q in requests),
         "generated_tokens": sum(q["output_tokens"] or 0 for q in requests),
         "finished": stats.finished_by_reason,
+        **_spec_totals(recs, spec),
     }
     return {
         "version": TRACE_VERSION,
@@ -152,6 +198,7 @@ def engine_trace_data(engine: LLMEngine, max_steps: int | None = None,
             "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
             "max_model_len": engine.max_model_len, "enable_prefix_caching": cfg.enable_prefix_caching,
             "dtype": str(engine.dtype).replace("torch.", ""), "keep_block_tables": cfg.keep_block_tables,
+            "speculative_config": spec.to_dict() if spec is not None else None,
         },
         "first_step": first,
         "steps": steps,
@@ -163,11 +210,14 @@ def engine_trace_data(engine: LLMEngine, max_steps: int | None = None,
 
 def _request_entry(rid: str, arrival: int, recs: list, first: int, rec: TraceRecorder,
                    live_req: RequestInfo | None, step_count: int, held_by_step: list[dict]) -> dict:
-    """Walk the steps for one request: its state each step, recompute and the blocks it holds."""
-    states: list[tuple[int, str, int]] = []
+    """Walk the steps for one request: its state each step, recompute and the blocks it holds.
+
+    Computed tokens are those whose K/V were kept: scheduled ones less the rejected drafts."""
+    states: list[tuple[int, str, int, int, int]] = []
     admitted = False
     finish_step = finish_reason = None
     computed_total = recomputed = since_admission = 0
+    draft_total = accepted_total = 0
     preemptions = 0
     table: list[int] | None = None
     abort_at = rec.abort_step.get(rid)
@@ -178,6 +228,8 @@ def _request_entry(rid: str, arrival: int, recs: list, first: int, rec: TraceRec
             finish_step, finish_reason = abort_at, "abort"
             break
         tokens = r.scheduled.get(rid, 0)
+        drafts = len(r.spec_drafts.get(rid, ()))
+        accepted = min(r.spec_accepted.get(rid, 0), drafts)
         if rid in r.preempted:
             state = PREEMPTED
             preemptions += 1
@@ -186,13 +238,16 @@ def _request_entry(rid: str, arrival: int, recs: list, first: int, rec: TraceRec
         elif tokens:
             state = PREFILL if rid in r.prefill_requests else DECODE
             admitted = True
-            since_admission += tokens
-            computed_total += tokens
+            kept = tokens - (drafts - accepted)
+            since_admission += kept
+            computed_total += kept
+            draft_total += drafts
+            accepted_total += accepted
             if r.block_tables is not None and rid in r.block_tables:
                 table = r.block_tables[rid]
         else:
             state = STALLED if admitted else WAITING
-        states.append((s, state, tokens))
+        states.append((s, state, tokens, drafts if tokens else 0, accepted if tokens else 0))
         if table is not None:
             known = rec.computed.get(s, {}).get(rid)
             held_by_step[i][rid] = {"blocks": table, "tokens": known}
@@ -230,5 +285,7 @@ def _request_entry(rid: str, arrival: int, recs: list, first: int, rec: TraceRec
         "num_preemptions": preemptions,
         "computed_tokens": computed_total,
         "recomputed_tokens": recomputed,
+        "draft_tokens": draft_total,
+        "accepted_tokens": accepted_total,
         "segments": _segments(states),
     }

@@ -7,6 +7,7 @@ come from the GGUF metadata through transformers' GGUF support (cached after the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -121,13 +122,11 @@ def load_model(
         cfg = load_hf_config(path)
         weights = iter_safetensors(path)
     elif path.endswith(".gguf") and in_place:
-        reader = _gguf_reader(path)
-        cfg = gguf_config(reader)
-        # Keep only the tensors (views of the file's memory map): the reader's metadata fields (a Python
-        # object per vocabulary entry) are freed before any weight is allocated, so they leave no holes.
-        tensors = _TensorsOnly(list(reader.tensors))
-        del reader
-        _return_freed_memory()
+        if keep_dequantized:  # many engines in one process: parse the file once
+            cfg, tensors = _gguf_tensors_cached(path, os.stat(path).st_mtime_ns)
+            cfg = dataclasses.replace(cfg)
+        else:
+            cfg, tensors = _gguf_tensors(path)
         weights = iter_gguf_tensors(tensors, cfg, in_place=in_place)
     elif path.endswith(".gguf"):
         if keep_dequantized:
@@ -386,6 +385,24 @@ def dequantize_gguf_tensor(tensor) -> torch.Tensor:
 # (EngineConfig.keep_dequantized_weights), the last file's float32 weights are kept in memory so several
 # engines in one process (the test suite, benchmarks) pay for it once; off by default, since it keeps a
 # float32 copy of the model alive.
+def _gguf_tensors(path: str) -> tuple[ModelConfig, _TensorsOnly]:
+    """A GGUF's config and its tensors (views of the file's memory map). Only the tensors are kept: the
+    reader's metadata fields (a Python object per vocabulary entry) are freed before any weight is
+    allocated, so they leave no holes."""
+    reader = _gguf_reader(path)
+    cfg = gguf_config(reader)
+    tensors = _TensorsOnly(list(reader.tensors))
+    del reader
+    _return_freed_memory()
+    return cfg, tensors
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_tensors_cached(path: str, mtime_ns: int) -> tuple[ModelConfig, _TensorsOnly]:
+    """The last GGUF's parse, kept (keep_dequantized): gguf-py's reader takes seconds per file."""
+    return _gguf_tensors(path)
+
+
 @functools.lru_cache(maxsize=1)
 def _dequantized_gguf(path: str, mtime_ns: int):
     """The last GGUF's config, dequantized weights (copied out by the model) and kept blocks."""

@@ -59,7 +59,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, draft
         rows.extend(range(row, row + len(out)))
         row += k + 1
     flat = _in_vocab([t for out in tokens for t in out], vocab)
-    lps = sampler.logprobs(raw[rows], flat, [meta.num_logprobs[r] for r in rows])
+    wanted = meta.num_logprobs or [None] * meta.num_rows
+    if all(wanted[r] is None for r in rows):
+        lps = [None] * len(rows)
+    else:
+        lps = sampler.logprobs(raw[rows], flat, [wanted[r] for r in rows])
     logprobs, at = [], 0
     for out in tokens:
         logprobs.append(lps[at : at + len(out)])

@@ -45,7 +45,8 @@ class _DraftState:
 
 def greedy_metadata(num_rows: int) -> SamplingMetadata:
     return SamplingMetadata(num_rows=num_rows, all_greedy=True, all_plain_greedy=True, greedy=None,
-                            temperature=None, top_k=None, top_p=None, min_p=None, generators=[None] * num_rows)
+                            temperature=None, top_k=None, top_p=None, min_p=None, generators=[None] * num_rows,
+                            num_logprobs=[None] * num_rows)
 
 
 def truncate_layers(model: nn.Module, cfg: ModelConfig, num_layers: int) -> ModelConfig:

@@ -76,30 +76,43 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput):
         sched = out.scheduled
-        query_lens = [len(s.token_ids) for s in sched]
-        starts = [s.start_pos for s in sched]
+        # The attention sequences: a request's new tokens, except that a decode with k draft tokens is
+        # unfolded into k + 1 one-token rows over the same block table, row j seeing the context up to its
+        # own position (every row's K/V is written before any row reads, per layer). A verification is then
+        # a batch of decodes: the decode kernels (and the one-call decode stack) score it, with the numbers
+        # of plain decoding.
+        seqs: list[tuple[int, int, list[int]]] = []  # (query length, start position, block table)
+        for s in sched:
+            if s.spec_token_ids:
+                seqs.extend((1, s.start_pos + j, s.block_table) for j in range(len(s.token_ids)))
+            else:
+                seqs.append((len(s.token_ids), s.start_pos, s.block_table))
+        query_lens = [q for q, _, _ in seqs]
+        starts = [a for _, a, _ in seqs]
         seq_lens = [a + b for a, b in zip(starts, query_lens, strict=True)]
         num_tokens = sum(query_lens)
         input_ids = torch.tensor([t for s in sched for t in s.token_ids], dtype=torch.long)
         q_lens = torch.tensor(query_lens, dtype=torch.long)
-        query_start_loc = torch.zeros(len(sched) + 1, dtype=torch.long)
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
         # position of token t of sequence i = start_i + (t - query_start_i)
         offsets = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - query_start_loc[:-1], q_lens)
         positions = torch.arange(num_tokens, dtype=torch.long) + offsets
-        max_blocks = max(len(s.block_table) for s in sched)
-        block_tables = torch.zeros(len(sched), max_blocks, dtype=torch.long)
-        for i, s in enumerate(sched):
-            block_tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(len(sched)), q_lens)
+        max_blocks = max(len(t) for _, _, t in seqs)
+        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        for i, (_, _, table) in enumerate(seqs):
+            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
         slot_mapping = block_tables[seq_index, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
-        if any(s.spec_token_ids for s in sched):  # a request with k drafts is scored at its last k + 1 positions
-            ends = query_start_loc[1:].tolist()
-            logits_indices = torch.tensor([p for i in self.sample_rows(out)
-                                           for p in range(ends[i] - 1 - len(sched[i].spec_token_ids), ends[i])],
-                                          dtype=torch.long)
+        if len(seqs) != len(sched):  # drafts: a request with k of them is scored at its last k + 1 positions
+            rows, end = [], 0
+            for s in sched:
+                end += len(s.token_ids)
+                if s.sample:
+                    rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+            logits_indices = torch.tensor(rows, dtype=torch.long)
         else:
             logits_indices = query_start_loc[1:][self.sample_rows(out)] - 1
         dev = self.device

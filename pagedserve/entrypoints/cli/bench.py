@@ -202,38 +202,99 @@ def run_hf_generate(model_path: str, dtype: torch.dtype, prompts: list, output_l
 
 
 # ---- latency -------------------------------------------------------------------------------------
+def _latency_prompts(args, engine, seed: int) -> list[list[int]]:
+    """Random token ids, or a prompts file: JSON lines with "prompt" (text) or "messages" (a chat, through
+    the model's chat template), or plain text lines. The first prompt is the warm-up."""
+    if not getattr(args, "prompts_file", None):
+        return random_prompts(args.num_iters + 1, args.input_len, seed)
+    tok = engine.tokenizer
+    out = []
+    for line in Path(args.prompts_file).read_text().splitlines():
+        if not line.strip():
+            continue
+        item = json.loads(line) if line.lstrip().startswith("{") else {"prompt": line}
+        if "messages" in item:
+            out.append(tok.encode(tok.apply_chat_template(item["messages"], True), False))
+        else:
+            out.append(tok.encode(item["prompt"]))
+    if not out:
+        raise ValueError(f"prompts_file: {args.prompts_file} has no prompt")
+    return [out[0]] + out  # the first prompt twice: once as the warm-up
+
+
+def _time_one(engine, rid: str, prompt: list[int], params) -> tuple[float, float, int]:
+    """(TTFT, end to end, output tokens) of one request alone on the engine."""
+    start = time.perf_counter()
+    first = None
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    n = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter()
+            n = len(out.outputs[0].token_ids)
+    return first - start, time.perf_counter() - start, n
+
+
 def run_latency(args, config) -> dict:
+    """One request at a time. With --speculative-config and --compare-no-spec, every prompt also runs
+    with speculation switched off on the same engine (alternating, so both see the same machine)."""
     from pagedserve.engine.engine import LLMEngine
     from pagedserve.sampling_params import SamplingParams
 
     engine = LLMEngine(config)
-    prompts = random_prompts(args.num_iters + 1, args.input_len, config.seed)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-    ttfts, tpots, e2es = [], [], []
+    prompts = _latency_prompts(args, engine, config.seed)
+    params = SamplingParams(temperature=0, ignore_eos=not args.stop_at_eos, max_tokens=args.output_len)
+    speculator = engine.speculator
+    compare = bool(getattr(args, "compare_no_spec", False)) and speculator is not None
+    runs = {"spec": ([], [], [], []), "plain": ([], [], [], [])} if compare else {"run": ([], [], [], [])}
     for i, prompt in enumerate(prompts):
-        start = time.perf_counter()
-        first = None
-        engine.add_request(f"lat-{i}", {"prompt_token_ids": prompt}, params)
-        n = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if first is None and out.outputs[0].token_ids:
-                    first = time.perf_counter()
-                n = len(out.outputs[0].token_ids)
-        end = time.perf_counter()
-        if i == 0:
-            continue  # warm-up
-        ttfts.append(first - start)
-        e2es.append(end - start)
-        tpots.append((end - first) / max(n - 1, 1))
+        for name, (ttfts, tpots, e2es, lens) in runs.items():
+            engine.speculator = None if name == "plain" else speculator
+            engine.reset_prefix_cache()
+            before = speculator.stats.copy() if speculator is not None else None
+            ttft, e2e, n = _time_one(engine, f"lat-{name}-{i}", prompt, params)
+            if i == 0:
+                continue  # warm-up
+            ttfts.append(ttft)
+            e2es.append(e2e)
+            tpots.append((e2e - ttft) / max(n - 1, 1))
+            lens.append(n)
+            if name == "spec":
+                after = speculator.stats
+                lens[-1] = (n, after.num_draft_tokens - before.num_draft_tokens,
+                            after.num_accepted_tokens - before.num_accepted_tokens)
+    engine.speculator = speculator
+
+    def summary(ttfts, tpots, e2es, lens) -> dict:
+        # Decode rate over all decode time (tokens after the first / time after the first token).
+        decode_tokens = sum((n[0] if isinstance(n, tuple) else n) - 1 for n in lens)
+        decode_s = sum(e - t for e, t in zip(e2es, ttfts, strict=True))
+        return {"ttft_s_mean": statistics.mean(ttfts), "tpot_s_mean": statistics.mean(tpots),
+                "e2e_s_mean": statistics.mean(e2es), "decode_tokens_per_s": decode_tokens / decode_s,
+                "prompt_tokens_per_s": statistics.mean(len(p) for p in prompts[1:]) / statistics.mean(ttfts),
+                "output_tokens": [n[0] if isinstance(n, tuple) else n for n in lens]}
+
     result = {
         "mode": "latency", "engine": "pagedserve", "model": engine.served_model_name,
         "dtype": str(engine.dtype).removeprefix("torch."), "input_len": args.input_len,
-        "output_len": args.output_len, "num_iters": args.num_iters,
-        "ttft_s_mean": statistics.mean(ttfts), "tpot_s_mean": statistics.mean(tpots),
-        "e2e_s_mean": statistics.mean(e2es), "decode_tokens_per_s": 1.0 / statistics.mean(tpots),
-        "prompt_tokens_per_s": args.input_len / statistics.mean(ttfts), "machine": machine_info(),
+        "output_len": args.output_len, "num_iters": len(prompts) - 1,
+        "prompts_file": getattr(args, "prompts_file", None),
+        "speculative_config": engine.speculative_config.to_dict() if engine.speculative_config else None,
+        "machine": machine_info(),
     }
+    if compare:
+        spec, plain = summary(*runs["spec"]), summary(*runs["plain"])
+        result.update(spec)
+        drafted = sum(n[1] for n in runs["spec"][3])
+        accepted = sum(n[2] for n in runs["spec"][3])
+        result["spec"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                          "acceptance_rate": accepted / drafted if drafted else 0.0}
+        result["no_spec"] = plain
+        result["decode_tokens_per_s_ratio_vs_no_spec"] = spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        assert spec["output_tokens"] == plain["output_tokens"]
+    else:
+        result.update(summary(*runs["run"]))
     if args.compare_hf:
         hf = run_hf_latency(engine.model_path, _hf_dtype(args, engine.dtype), prompts[1:], args.output_len)
         result["hf"] = hf
@@ -432,6 +493,11 @@ def register(sub) -> None:
                            help="with --structured json: allow whitespace between JSON tokens (default: compact)")
         if mode == "latency":
             m.add_argument("--num-iters", type=int, default=3)
+            m.add_argument("--prompts-file", default=None, help="JSON lines with \"prompt\" or \"messages\" "
+                           "(or plain text lines) instead of random ids; each is timed once")
+            m.add_argument("--compare-no-spec", action="store_true", help="with --speculative-config: also run "
+                           "every prompt with speculation off on the same engine, and report the ratio")
+            m.add_argument("--stop-at-eos", action="store_true", help="end at EOS (default: ignore_eos)")
             m.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")
             m.add_argument("--hf-dtype", default="same", choices=["same", *MODEL_DTYPES[1:]],
                            help="dtype of the HF run (default: the engine's)")

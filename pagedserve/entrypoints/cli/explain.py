@@ -3,7 +3,10 @@
 Shows the prompt's token ids and text pieces, then every engine step: what the scheduler decided
 (a prefill chunk of N tokens or one decode token), the KV blocks allocated and the block table
 (logical token range → physical block), the top-5 candidates with their probabilities and the token
-chosen, and finally why generation stopped. Everything comes from the real run: the engine's
+chosen, and finally why generation stopped. With speculative decoding (--speculative-config) a decode
+step also scores draft tokens: it shows what was proposed, how many the model accepted, the token it
+chose at the first rejected position (or the bonus token), and a candidates table for every token the
+step added. Everything comes from the real run: the engine's
 StepRecords (with keep_block_tables) and the sampler's logprobs.
 """
 
@@ -72,6 +75,10 @@ def run_explain(args: argparse.Namespace, config: EngineConfig) -> int:
     )
 
     console.rule("[bold]3. Steps (schedule → model → sample)")
+    if engine.speculative_config is not None:
+        sc = engine.speculative_config
+        console.print(f"Speculative decoding: {sc.method}, up to {sc.num_speculative_tokens} draft tokens a step, "
+                      "checked by the model in the same forward pass")
     final: RequestOutput | None = None
     table: list[int] = []
     shown_tokens = 0
@@ -85,26 +92,46 @@ def run_explain(args: argparse.Namespace, config: EngineConfig) -> int:
         if not n:
             console.print(f"step {rec.step}: not scheduled (waiting for blocks or budget)")
             continue
+        drafts = rec.spec_drafts.get(REQUEST_ID, [])
+        accepted = min(rec.spec_accepted.get(REQUEST_ID, 0), len(drafts))
         new_table = (rec.block_tables or {}).get(REQUEST_ID, table)
         added = [b for b in new_table if b not in table]
-        table = new_table
         computed = _computed_after(engine, out, n)
         kind = "prefill" if REQUEST_ID in rec.prefill_requests else "decode"
-        start = computed - n if computed is not None else None
+        # The positions scored: the tokens kept end at `computed`, rejected drafts were scored after them.
+        start = computed - (n - len(drafts) + accepted) if computed is not None else None
         where = f" (positions {start}–{start + n - 1})" if start is not None and n > 1 else (
             f" (position {start})" if start is not None else "")
-        line = f"[bold]step {rec.step}[/bold]: {kind} {n} token{'s' if n != 1 else ''}{where}"
+        if drafts:
+            real = n - len(drafts)
+            what = (f"{real} token{'s' if real != 1 else ''} + {len(drafts)} draft token"
+                    f"{'s' if len(drafts) != 1 else ''} ({accepted} accepted)")
+        else:
+            what = f"{n} token{'s' if n != 1 else ''}"
+        line = f"[bold]step {rec.step}[/bold]: {kind} {what}{where}"
         if rec.prefix_cache_queries:
             line += f"; prefix cache: {rec.prefix_cache_hits} of {rec.prefix_cache_queries} tokens hit"
         console.print(line)
+        # Lookahead blocks taken for draft slots that were rejected go back to the pool after the step.
+        keep = blocks_for_tokens(computed, bs) if computed is not None else len(new_table)
+        table, returned = new_table[:keep], new_table[keep:]
         if added:
             console.print(f"  blocks allocated: {added}  (pool: {rec.num_used_blocks} used, "
                           f"{rec.num_free_blocks + rec.num_cached_free_blocks} free)")
         console.print("  block table: " + ", ".join(block_ranges(table, computed, bs)))
-        lps = out.outputs[0].logprobs if out is not None and out.outputs else None
+        if returned and drafts:
+            console.print(f"  draft lookahead blocks returned to the pool: {returned}")
+        comp = out.outputs[0] if out is not None and out.outputs else None
+        if drafts:
+            _print_drafts(console, tok, drafts, accepted, comp.token_ids[shown_tokens:] if comp else [])
+        lps = comp.logprobs if comp is not None else None
         if lps and len(lps) > shown_tokens:
-            chosen = out.outputs[0].token_ids[len(lps) - 1]
-            console.print(_candidates_table(lps[-1], chosen, len(lps)))
+            # One token a step, or with drafts the accepted ones and the model's own next one.
+            for j in range(shown_tokens, len(lps)):
+                i = j - shown_tokens
+                role = ("accepted draft" if i < accepted else "bonus token" if i == len(drafts)
+                        else "instead of the rejected draft") if drafts else None
+                console.print(_candidates_table(lps[j], comp.token_ids[j], j + 1, role))
             shown_tokens = len(lps)
         elif kind == "prefill":
             console.print("  (prefill chunk ends before the prompt does: no token sampled yet)")
@@ -121,7 +148,32 @@ def run_explain(args: argparse.Namespace, config: EngineConfig) -> int:
     for r in block_ranges(table, total - 1, bs):
         console.print(f"  {r}")
     console.print(f"Stop reason: {_stop_reason(engine, final, max_tokens)}")
+    spec = engine.stats().spec_decode
+    if spec is not None:
+        rate = f" ({spec.num_accepted_tokens / spec.num_draft_tokens:.0%})" if spec.num_draft_tokens else ""
+        console.print(f"Speculation: {spec.num_drafts} proposals, {spec.num_draft_tokens} draft tokens, "
+                      f"{spec.num_accepted_tokens} accepted{rate}; accepted per draft position: "
+                      f"{spec.accepted_per_pos}")
     return 0
+
+
+def _print_drafts(console: Console, tok, drafts: list[int], accepted: int, new_tokens: list[int]) -> None:
+    """What was proposed and what the model kept: the accepted prefix, then its own token at the first
+    rejected position (or, with every draft accepted, the bonus token after them)."""
+    shown = ", ".join(f"{t} {piece(tok.id_to_piece(t))}" for t in drafts)
+    console.print(f"  proposed {len(drafts)} draft token{'s' if len(drafts) != 1 else ''}: {shown}")
+    kept = f"  kept {accepted} of {len(drafts)}"
+    nxt = new_tokens[accepted] if len(new_tokens) > accepted else None
+    nxt_text = f"{nxt} {piece(tok.id_to_piece(nxt))}" if nxt is not None else None
+    if accepted == len(drafts):
+        kept += f": all accepted, then the bonus token {nxt_text}" if nxt_text else ": all accepted"
+    else:
+        rejected = drafts[accepted]
+        kept += (f"; draft {accepted + 1} ({rejected} {piece(tok.id_to_piece(rejected))}) rejected"
+                 + (f": the model chose {nxt_text} instead" if nxt_text else ""))
+        if accepted + 1 < len(drafts):
+            kept += f", the {len(drafts) - accepted - 1} after it dropped"
+    console.print(kept)
 
 
 def _computed_after(engine: LLMEngine, out: RequestOutput | None, n: int) -> int | None:
@@ -152,8 +204,9 @@ def _token_table(engine: LLMEngine, ids: list[int]) -> Table:
     return t
 
 
-def _candidates_table(entry: dict, chosen: int, index: int) -> Table:
-    t = Table(title=f"  token {index}: top-{TOP_K} candidates", title_justify="left", box=None,
+def _candidates_table(entry: dict, chosen: int, index: int, role: str | None = None) -> Table:
+    title = f"  token {index}: top-{TOP_K} candidates" + (f" ({role})" if role else "")
+    t = Table(title=title, title_justify="left", box=None,
               header_style="bold", pad_edge=False)
     t.add_column("rank", justify="right")
     t.add_column("id", justify="right")

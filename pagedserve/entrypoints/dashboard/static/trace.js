@@ -4,6 +4,9 @@
  * pagedserve.engine.trace.engine_trace_data returns). It can be called again with fresh data (the live
  * dashboard does, every second): the root is redrawn and the selected step is kept, or follows the
  * newest step when the newest was selected. On the first render data.selected_step (if any) is shown.
+ * With speculative decoding (data.config.speculative_config, or draft tokens in the steps) the summary,
+ * the token bars, the timeline, the block map and a panel of their own show the drafts and what was
+ * accepted; without it nothing about speculation is drawn.
  */
 (function (global) {
   "use strict";
@@ -36,6 +39,17 @@
     return e;
   }
   function tip(node, text) { svg("title", {}, node, text); return node; }
+  function plural(n, word) { return n + " " + word + (n === 1 ? "" : "s"); }
+  function pct(a, b) { return b ? Math.round((1000 * a) / b) / 10 + "%" : "–"; }
+  /* Speculation in one step: "drafts N, accepted M" (empty when the step scored no draft token). */
+  function specText(s, rid) {
+    if (rid !== undefined) {
+      var d = (s.spec_drafts || {})[rid];
+      return d && d.length ? "drafts " + d.length + ", accepted " + num((s.spec_accepted || {})[rid]) : "";
+    }
+    return num(s.num_spec_tokens) ?
+      "drafts " + num(s.num_spec_tokens) + ", accepted " + num(s.num_accepted_tokens) : "";
+  }
   function num(v) { return typeof v === "number" && isFinite(v) ? v : 0; }
   function niceMax(v) {
     if (v <= 4) return 4;  // small counts: whole-number ticks
@@ -100,9 +114,14 @@
 
   // ---- charts ------------------------------------------------------------------------------------
   function tokenChart(ctx, root) {
+    var legend = [["var(--prefill)", "prefill tokens"], ["var(--decode)", "decode tokens"]];
+    if (ctx.spec) {
+      legend.push(["var(--draft-ok)", "draft tokens accepted"], ["var(--draft-no)", "draft tokens rejected"]);
+    }
     var box = panel(root, "tokens", "Tokens per step",
-      "Prefill and decode tokens computed each step, stacked, against the token budget (max_num_batched_tokens).",
-      [["var(--prefill)", "prefill tokens"], ["var(--decode)", "decode tokens"], ["var(--budget)", "token budget"]]);
+      "Prefill and decode tokens computed each step, stacked, against the token budget (max_num_batched_tokens)." +
+      (ctx.spec ? " Decode includes the draft tokens the model scored: those accepted and those rejected." : ""),
+      legend.concat([["var(--budget)", "token budget"]]));
     var yMax = niceMax(Math.max.apply(null, [1].concat(ctx.steps.map(function (s) {
       return Math.max(num(s.token_budget), num(s.num_prefill_tokens) + num(s.num_decode_tokens));
     }))));
@@ -110,10 +129,19 @@
     var bw = Math.max(1, f.band * 0.8), pad = (f.band - bw) / 2, budget = [];
     ctx.steps.forEach(function (s, i) {
       var p = num(s.num_prefill_tokens), d = num(s.num_decode_tokens), x = f.x(i) + pad;
+      var sp = Math.min(num(s.num_spec_tokens), d), ok = Math.min(num(s.num_accepted_tokens), sp), real = d - sp;
       if (p) svg("rect", { "class": "pt-bar-prefill", x: x, y: f.y(p), width: bw, height: f.y(0) - f.y(p),
         fill: "var(--prefill)" }, f.layer);
-      if (d) svg("rect", { "class": "pt-bar-decode", x: x, y: f.y(p + d), width: bw, height: f.y(p) - f.y(p + d),
-        fill: "var(--decode)" }, f.layer);
+      if (real) svg("rect", { "class": "pt-bar-decode", x: x, y: f.y(p + real), width: bw,
+        height: f.y(p) - f.y(p + real), fill: "var(--decode)" }, f.layer);
+      var b = p + real;
+      [[ok, "pt-bar-draft-accepted", "var(--draft-ok)"], [sp - ok, "pt-bar-draft-rejected", "var(--draft-no)"]]
+        .forEach(function (part) {
+          if (!part[0]) return;
+          svg("rect", { "class": part[1], x: x, y: f.y(b + part[0]), width: bw, height: f.y(b) - f.y(b + part[0]),
+            fill: part[2] }, f.layer);
+          b += part[0];
+        });
       budget.push(f.x(i) + "," + f.y(num(s.token_budget)), f.x(i + 1) + "," + f.y(num(s.token_budget)));
     });
     if (budget.length) svg("polyline", { id: "budget-line", points: budget.join(" "), fill: "none",
@@ -121,7 +149,7 @@
     finishFrame(ctx, f, function (s) {
       return "step " + s.step + ": " + num(s.num_prefill_tokens) + " prefill + " + num(s.num_decode_tokens) +
         " decode tokens of a " + num(s.token_budget) + "-token budget (" + Object.keys(s.scheduled || {}).length +
-        " requests, " + (num(s.duration_s) * 1000).toFixed(1) + " ms)";
+        " requests, " + (num(s.duration_s) * 1000).toFixed(1) + " ms)" + (specText(s) ? "; " + specText(s) : "");
     });
   }
 
@@ -197,7 +225,9 @@
       var y = top + k * rowH;
       var label = svg("text", { "class": "pt-label", x: ML - 6, y: y + 11, "text-anchor": "end" }, g, r.id);
       tip(label, r.id + ": " + (r.prompt_tokens == null ? "?" : r.prompt_tokens) + " prompt tokens, " +
-        (r.output_tokens == null ? "?" : r.output_tokens) + " generated" + (r.prompt ? "\n" + r.prompt : ""));
+        (r.output_tokens == null ? "?" : r.output_tokens) + " generated" +
+        (num(r.draft_tokens) ? "; drafts " + r.draft_tokens + ", accepted " + num(r.accepted_tokens) : "") +
+        (r.prompt ? "\n" + r.prompt : ""));
       var row = svg("g", { "class": "pt-request", "data-request": r.id }, g);
       (r.segments || []).forEach(function (seg) {
         var st = STATES[seg.state] || ["#999", seg.state];
@@ -206,7 +236,9 @@
         tip(svg("rect", { "class": "pt-seg pt-seg-" + seg.state, x: x0, y: y + 2, width: Math.max(1, x1 - x0 - 0.5),
           height: rowH - 4, fill: st[0], stroke: seg.state === "prefill" ? "#fff" : "none", "stroke-width": 0.7 }, row),
           r.id + ": " + st[1] + (seg.from === seg.to ? " at step " + seg.from : " steps " + seg.from + "–" + seg.to) +
-          (seg.tokens ? ", " + seg.tokens + " tokens" : ""));
+          (seg.tokens ? ", " + seg.tokens + " tokens" : "") +
+          (num(seg.draft_tokens) ?
+            " (drafts " + seg.draft_tokens + ", accepted " + num(seg.accepted_tokens) + ")" : ""));
       });
       if (r.finish_step != null) {
         var end = r.finish_reason === "abort" ? r.finish_step - first : r.finish_step - first + 1;
@@ -258,11 +290,13 @@
     if (!st) { bm.label.textContent = "no steps yet"; return; }
     var held = (ctx.data.block_tables || [])[i] || {}, bs = num(ctx.config.block_size) || 16;
     var nb = num(ctx.config.num_blocks), owners = {};
+    var lookahead = {};  // blocks that held draft slots this step and went back to the pool after it
     Object.keys(held).forEach(function (rid) {
       held[rid].blocks.forEach(function (b) { (owners[b] = owners[b] || []).push(rid); });
+      (held[rid].draft_blocks || []).forEach(function (b) { lookahead[b] = rid; });
     });
     bm.label.textContent = "step " + st.step + ": " + Object.keys(held).length + " requests use " +
-      Object.keys(owners).length + " of " + nb + " blocks";
+      Object.keys(owners).length + " of " + nb + " blocks" + (specText(st) ? "; " + specText(st) : "");
     // Grid of physical blocks.
     // Big pools (a served model has thousands of blocks) get more columns, smaller cells and no numbers.
     var big = nb > 512, cols = big ? 128 : Math.min(32, Math.max(8, Math.ceil(Math.sqrt(nb * 2))));
@@ -271,11 +305,14 @@
       (rows * cell + 2), style: "max-width:" + (cols * cell * 1.2) + "px" }, bm.body);
     for (var b = 0; b < nb; b++) {
       var x = 1 + (b % cols) * cell, y = 1 + Math.floor(b / cols) * cell, who = owners[b];
-      var fill = who ? ctx.colorOf(who[0]) : "var(--free)";
-      var r = svg("rect", { "class": "pt-block" + (who ? " pt-held" : ""), "data-block": b, x: x, y: y,
-        width: cell - 2, height: cell - 2, rx: big ? 1 : 3, fill: fill, stroke: who && who.length > 1 ? "#111" : "none",
+      var draft = !who && lookahead[b] !== undefined ? lookahead[b] : null;
+      var fill = who ? ctx.colorOf(who[0]) : draft !== null ? ctx.colorOf(draft) : "var(--free)";
+      var r = svg("rect", { "class": "pt-block" + (who ? " pt-held" : draft !== null ? " pt-draft" : ""),
+        "data-block": b, x: x, y: y, width: cell - 2, height: cell - 2, rx: big ? 1 : 3, fill: fill,
+        "fill-opacity": draft !== null ? 0.35 : null, stroke: who && who.length > 1 ? "#111" : "none",
         "stroke-width": big ? 1 : 2 }, g);
-      tip(r, "block " + b + (who ? ": held by " + who.join(", ") : ": not held (free or cached-free)"));
+      tip(r, "block " + b + (who ? ": held by " + who.join(", ") : draft !== null ? ": draft slots of " + draft +
+        " this step, returned to the pool after it" : ": not held (free or cached-free)"));
       if (!big) svg("text", { x: x + (cell - 2) / 2, y: y + cell / 2 + 2, "text-anchor": "middle",
         style: "font-size:9px;fill:" + (who ? "#fff" : "#6b7280") + ";pointer-events:none" }, g, String(b));
     }
@@ -293,23 +330,69 @@
       td.appendChild(document.createTextNode(rid));
       html("td", {}, tr, h.tokens == null ? "≤ " + h.blocks.length * bs : String(h.tokens));
       html("td", { "class": "pt-ranges" }, tr, ranges(h.blocks, h.tokens, bs).join(",  "));
-      var done = (st.finished || {})[rid];
-      html("td", {}, tr, done ? "finished (" + done + "): freed" : "");
+      var done = (st.finished || {})[rid], notes = [];
+      if (specText(st, rid)) notes.push(specText(st, rid));
+      if ((h.draft_blocks || []).length) notes.push("draft lookahead block" + (h.draft_blocks.length > 1 ? "s " : " ") +
+        h.draft_blocks.join(", ") + " returned");
+      if (done) notes.push("finished (" + done + "): freed");
+      html("td", {}, tr, notes.join("; "));
     });
   }
 
-  function summary(data, root) {
-    var c = data.config || {}, t = data.totals || {}, box = html("div", { "class": "pt-summary", id: "summary" }, root);
-    [["model", data.model], ["steps", t.steps], ["requests", (data.requests || []).length],
+  function summary(ctx, root) {
+    var data = ctx.data, c = data.config || {}, t = data.totals || {};
+    var box = html("div", { "class": "pt-summary", id: "summary" }, root);
+    var items = [["model", data.model], ["steps", t.steps], ["requests", (data.requests || []).length],
       ["tokens computed", t.scheduled_tokens], ["prefill / decode", t.prefill_tokens + " / " + t.decode_tokens],
       ["recomputed after preemption", t.recomputed_tokens], ["preemptions", t.preemptions],
       ["KV blocks × block size", c.num_blocks + " × " + c.block_size], ["token budget", c.max_num_batched_tokens],
-      ["max_num_seqs", c.max_num_seqs], ["prefix caching", c.enable_prefix_caching ? "on" : "off"]
-    ].forEach(function (kv) {
-      var d = html("div", {}, box);
+      ["max_num_seqs", c.max_num_seqs], ["prefix caching", c.enable_prefix_caching ? "on" : "off"]];
+    if (ctx.spec) {
+      items.push(["draft tokens", num(t.draft_tokens)], ["drafts accepted", num(t.accepted_tokens)],
+        ["acceptance rate", pct(num(t.accepted_tokens), num(t.draft_tokens))]);
+    }
+    items.forEach(function (kv) {
+      var spec = kv[0].indexOf("draft") >= 0 || kv[0] === "acceptance rate";
+      var d = html("div", { "class": spec ? "pt-spec" : null }, box);
       html("b", {}, d, kv[1] === undefined || kv[1] === null ? "–" : String(kv[1]));
       d.appendChild(document.createTextNode(kv[0]));
     });
+  }
+
+  // ---- speculative decoding ------------------------------------------------------------------------
+  function specPanel(ctx, root) {
+    var c = ctx.config.speculative_config || {}, t = ctx.data.totals || {};
+    var how = c.method ? c.method + ", up to " + plural(num(c.num_speculative_tokens), "draft token") + " a step" +
+      (c.method === "ngram" && c.prompt_lookup_min ?
+        " (n-grams of " + c.prompt_lookup_min + "–" + c.prompt_lookup_max + " tokens)" : "") + ". " : "";
+    var box = panel(root, "spec", "Speculative decoding",
+      how + "Draft tokens are proposed before the step and scored by the model in it; each request keeps the " +
+      "accepted prefix of its drafts and one token of the model's own.");
+    var drafts = num(t.drafts), pos = t.accepted_per_pos || [];
+    var acc = num(t.accepted_tokens), dt = num(t.draft_tokens);
+    html("p", { id: "spec-totals" }, box, plural(drafts, "proposal") + ", " + plural(dt, "draft token") + ", " +
+      acc + " accepted (" + pct(acc, dt) + ")" +
+      (pos.length && drafts ? "; accepted at draft position " + pos.map(function (a, i) {
+        return (i + 1) + ": " + pct(a, drafts);
+      }).join(", ") : ""));
+    var tbl = html("table", { "class": "pt-table", id: "spec-table" }, box);
+    var hr = html("tr", {}, html("thead", {}, tbl));
+    ["request", "draft tokens", "accepted", "acceptance rate", "generated tokens"].forEach(function (h) {
+      html("th", {}, hr, h);
+    });
+    var tb = html("tbody", {}, tbl), any = false;
+    ctx.requests.forEach(function (r) {
+      if (!num(r.draft_tokens)) return;
+      any = true;
+      var tr = html("tr", { "data-request": r.id }, tb), td = html("td", {}, tr);
+      html("span", { "class": "pt-chip", style: "background:" + ctx.colorOf(r.id) }, td);
+      td.appendChild(document.createTextNode(r.id));
+      html("td", {}, tr, String(r.draft_tokens));
+      html("td", {}, tr, String(num(r.accepted_tokens)));
+      html("td", {}, tr, pct(num(r.accepted_tokens), r.draft_tokens));
+      html("td", {}, tr, r.output_tokens == null ? "?" : String(r.output_tokens));
+    });
+    if (!any) html("td", { colspan: 5 }, html("tr", {}, tb), "no request proposed draft tokens in these steps");
   }
 
   // ---- entry point ---------------------------------------------------------------------------------
@@ -321,6 +404,9 @@
       data: data, steps: steps, requests: reqs, config: data.config || {}, cursors: [], order: {},
       first: steps.length ? steps[0].step : num(data.first_step)
     };
+    // Speculation is shown when the engine was configured for it or any step scored draft tokens.
+    ctx.spec = !!ctx.config.speculative_config || num((data.totals || {}).draft_tokens) > 0 ||
+      steps.some(function (s) { return num(s.num_spec_tokens) > 0; });
     reqs.forEach(function (r, k) { ctx.order[r.id] = k; });
     ctx.colorOf = function (rid) {
       var k = ctx.order[rid];
@@ -343,11 +429,12 @@
       root.setAttribute("data-selected-step", steps.length ? steps[ctx.selIndex].step : "");
     };
     root.textContent = "";
-    summary(data, root);
+    summary(ctx, root);
     tokenChart(ctx, root);
     queueChart(ctx, root);
     kvChart(ctx, root);
     timeline(ctx, root);
+    if (ctx.spec) specPanel(ctx, root);
     blockMap(ctx, root);
     ctx.select(sel);
     root.setAttribute("data-rendered", "1");
