@@ -8,15 +8,17 @@ from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.stop import check_stop
 
 
-def update(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-    """Returns the requests that finished."""
-    requests = {rid: sched.requests[rid] for rid in sampled}
-    sched.update(out, sampled)
+def update(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
+    """sampled: a token per sampling request, or (speculative decoding) its accepted drafts and one more.
+    Returns the requests that finished."""
     finished = []
-    for rid, token in sampled.items():
-        req = requests[rid]
+
+    def on_token(req: Request, index: int, token: int) -> bool:
         status = check_stop(req, token, None, sched.config.max_model_len)
         if status is not None:
             sched.finish(req, status)
             finished.append(req)
+        return status is not None
+
+    sched.update(out, sampled, on_token)
     return finished

@@ -48,3 +48,49 @@ def small_trace():
     recorder = run_workload(engine, small_workload())
     data = engine_trace_data(engine, recorder=recorder)
     return engine, recorder, data
+
+
+# ---- speculative decoding: the same kind of run with n-gram drafts -------------------------------------
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+PARAGRAPHS = [
+    "The paged KV cache stores the keys and values of every token in fixed size blocks, so memory is not wasted.",
+    "A block table maps the logical positions of a request to physical blocks, which are shared between requests.",
+]
+# Prompts that repeat text (the n-gram proposer finds the drafts in them) and one that does not.
+SPEC_PROMPTS = [p + " Repeat the paragraph exactly: " + p.split(",")[0] for p in PARAGRAPHS] + [
+    "Continuous batching lets requests join",
+]
+
+
+def spec_config() -> EngineConfig:
+    return EngineConfig(dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=64,
+                        max_num_seqs=4, enable_prefix_caching=False, keep_block_tables=True, seed=0,
+                        speculative_config=SPEC_CONFIG)
+
+
+def spec_workload(prefix: str = "s") -> list[TraceRequest]:
+    max_tokens = [16, 12, 6]
+    return [TraceRequest(text, SamplingParams(temperature=0.0, max_tokens=max_tokens[i]), 0 if i < 2 else 2, None,
+                         f"{prefix}{i}") for i, text in enumerate(SPEC_PROMPTS)]
+
+
+@functools.cache
+def spec_trace():
+    """(engine, recorder, data, stats, baseline) of the speculative workload, run once per test session.
+
+    stats: the engine's SpecDecodeStats right after the run. baseline: (recorder, number of steps) of the
+    same workload on the same engine with its speculator detached, i.e. plain decoding."""
+    from pagedserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(spec_config())
+    recorder = run_workload(engine, spec_workload())
+    data = engine_trace_data(engine, recorder=recorder)
+    stats = engine.stats().spec_decode
+    speculator, engine.speculator = engine.speculator, None
+    try:
+        first = engine.step_count
+        base = run_workload(engine, spec_workload("b"))
+        baseline = (base, engine.step_count - first)
+    finally:
+        engine.speculator = speculator
+    return engine, recorder, data, stats, baseline

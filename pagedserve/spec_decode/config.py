@@ -7,9 +7,10 @@ pagedserve adds three optional keys:
 - `draft_num_layers` (draft_model): keep only the draft's first N layers (with its final norm and head). With
   no `model` the draft is the target's own first layers (a "self-draft"), which needs no second checkpoint.
 - `disable_by_batch_size` (as vLLM v0's `speculative_disable_by_batch_size`): no request speculates in a step
-  while more than this many requests are running. On a CPU a large batch is compute-bound, so every drafted
-  token costs as much as a real one; the default keeps speculation to the small batches where checking K
-  tokens costs little more than one.
+  while more than this many requests are running (null: no limit). The default, 1, keeps speculation to a
+  single stream: on a CPU a verification of one stream's 4 positions runs as one 4-row decode (the C++
+  decode stack), but two streams' 8 positions take the layer-by-layer path at about 3× the cost of their
+  plain step, and a large batch is compute-bound, so there a guessed token costs as much as a real one.
 - `backoff` (default true): a request whose drafts keep being rejected stops proposing for 2, 4, ... 64 steps,
   so speculation costs little on text that does not repeat itself.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default when neither prompt_lookup_min nor _max is given
 
 

@@ -10,6 +10,7 @@ output must equal what it would produce alone, whatever the arrivals, budget and
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -66,7 +67,13 @@ class Spec:
 
 
 class FakeEngine:
-    def __init__(self, cfg: SchedulerConfig, num_blocks: int, block_size: int, caching: bool) -> None:
+    def __init__(self, cfg: SchedulerConfig, num_blocks: int, block_size: int, caching: bool,
+                 spec_k: int = 0, spec_seed: int = 0) -> None:
+        """spec_k > 0: decoding requests carry up to spec_k draft tokens, each the true next token with
+        probability 0.7 (speculative decoding as the engine does it: drafts scheduled and verified)."""
+        self.spec_k = spec_k
+        self.rng = random.Random(spec_seed)
+        self.num_accepted = 0
         self.cfg = cfg
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.sched = Scheduler(cfg, self.kv)
@@ -86,7 +93,23 @@ class FakeEngine:
     def slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.bs] * self.bs + pos % self.bs
 
+    def propose(self) -> None:
+        for req in self.sched.running:
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            room = min(self.spec_k, req.max_tokens - req.num_output_tokens - 1,
+                       self.cfg.max_model_len - req.num_tokens - 1)
+            seq = list(req.all_token_ids)
+            drafts = []
+            for _ in range(max(room, 0)):
+                true = next_token(prefix_fingerprints(seq)[-1])
+                drafts.append(true if self.rng.random() < 0.7 else self.rng.randrange(VOCAB))
+                seq.append(drafts[-1])
+            req.spec_token_ids = drafts
+
     def step(self) -> None:
+        if self.spec_k:
+            self.propose()
         out = self.sched.schedule()
         cfg = self.cfg
         ids = [s.request_id for s in out.scheduled]
@@ -109,11 +132,17 @@ class FakeEngine:
             assert s.token_ids, "empty chunk scheduled"
             assert s.start_pos == req.num_computed_tokens
             end = s.start_pos + len(s.token_ids)
-            assert end <= req.num_tokens
-            assert s.token_ids == req.all_token_ids[s.start_pos : end]
-            assert s.sample == (end == req.num_tokens)
+            nd = len(s.spec_token_ids)
+            real_end = end - nd
+            assert real_end <= req.num_tokens
+            assert s.token_ids == req.all_token_ids[s.start_pos : real_end] + s.spec_token_ids
+            assert s.sample == (real_end == req.num_tokens)
+            if nd:  # drafts ride only on a decode, within max_tokens and max_model_len
+                assert len(s.token_ids) == nd + 1 and s.sample
+                assert req.num_output_tokens + nd + 1 <= req.max_tokens
+                assert req.num_tokens + nd + 1 <= cfg.max_model_len
             assert len(s.block_table) * self.bs >= end
-            fp = prefix_fingerprints(req.all_token_ids[:end])
+            fp = prefix_fingerprints(req.all_token_ids[:real_end] + s.spec_token_ids)
             fingerprints[s.request_id] = fp
             for pos in range(s.start_pos, end):
                 self.slots[self.slot(s.block_table, pos)] = fp[pos]
@@ -123,7 +152,15 @@ class FakeEngine:
             fp = fingerprints[s.request_id]
             context = [self.slots.get(self.slot(s.block_table, pos)) for pos in range(end)]
             assert context == fp, f"{s.request_id}: KV cache holds the wrong context"
-            if s.sample:
+            if s.sample and s.spec_token_ids:  # verify: keep drafts while they are the true next token
+                tokens = []
+                for j in range(len(s.spec_token_ids) + 1):
+                    tokens.append(next_token(fp[end - 1 - len(s.spec_token_ids) + j]))
+                    if j < len(s.spec_token_ids) and tokens[-1] != s.spec_token_ids[j]:
+                        break
+                self.num_accepted += len(tokens) - 1
+                sampled[s.request_id] = tokens
+            elif s.sample:
                 sampled[s.request_id] = next_token(fp[-1])
         finished = update(self.sched, out, sampled)
         for req in finished:
@@ -167,10 +204,10 @@ def check_blocks(kv: KVCacheManager, sched: Scheduler, in_flight: dict[str, int]
 
 def run_simulation(
     specs: list[Spec], *, block_size: int, num_blocks: int, budget: int, max_seqs: int, max_model_len: int,
-    caching: bool, max_steps: int = 20_000,
+    caching: bool, max_steps: int = 20_000, spec_k: int = 0, spec_seed: int = 0,
 ) -> FakeEngine:
     cfg = SchedulerConfig(budget, max_seqs, max_model_len)
-    eng = FakeEngine(cfg, num_blocks, block_size, caching)
+    eng = FakeEngine(cfg, num_blocks, block_size, caching, spec_k, spec_seed)
     pending = sorted(enumerate(specs), key=lambda x: x[1].arrival)
     accepted: dict[str, Spec] = {}
     step = 0
@@ -241,6 +278,22 @@ def workloads(draw):
 @given(workloads())
 def test_random_workloads_keep_invariants_and_outputs(w):
     run_simulation(**w)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 5), st.integers(0, 2**16))
+def test_speculative_decoding_keeps_invariants_and_outputs(w, spec_k, seed):
+    """Draft tokens (some right, some wrong) on every decode: the same outputs as plain decoding, no step
+    over budget, and after every step exactly the blocks of the computed tokens (rejected drafts' lookahead
+    slots returned)."""
+    run_simulation(**w, spec_k=spec_k, spec_seed=seed)
+
+
+def test_speculative_decoding_accepts_and_preempts():
+    specs = [Spec(0, [1 + (i * 7 + j) % 30 for j in range(20)], 24, True) for i in range(4)]
+    eng = run_simulation(specs, block_size=4, num_blocks=14, budget=64, max_seqs=4, max_model_len=64,
+                         caching=True, spec_k=3, spec_seed=1)
+    assert eng.num_preemptions > 0 and eng.num_accepted > 20
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

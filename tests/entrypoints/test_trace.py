@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from trace_helpers import PROMPTS, small_config, small_trace
+from trace_helpers import PROMPTS, small_config, small_trace, spec_trace
 
 from pagedserve.engine.trace import engine_trace_data
 from pagedserve.entrypoints.cli.main import main
@@ -142,3 +142,97 @@ def test_demo_workload_is_varied():
     over = demo_engine_overrides()
     assert over["keep_block_tables"]
     assert over["max_num_batched_tokens"] < max(len(w.prompt) // 4 for w in work)  # some prompts are chunked
+
+
+# ---- speculative decoding -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def spec():
+    return spec_trace()
+
+
+def test_trace_without_speculation_has_no_spec_figures(trace):
+    _, _, data = trace
+    t = data["totals"]
+    assert data["config"]["speculative_config"] is None
+    assert (t["drafts"], t["draft_tokens"], t["accepted_tokens"], t["acceptance_rate"]) == (0, 0, 0, None)
+    assert all(r["draft_tokens"] == r["accepted_tokens"] == 0 for r in data["requests"])
+    assert not any("draft_tokens" in seg for r in data["requests"] for seg in r["segments"])
+    assert not any("draft_blocks" in h for held in data["block_tables"] for h in held.values())
+
+
+def test_spec_totals_match_the_engine_stats(spec):
+    engine, _, data, stats, _ = spec
+    t = data["totals"]
+    assert data["config"]["speculative_config"] == engine.speculative_config.to_dict()
+    assert data["config"]["speculative_config"]["method"] == "ngram"
+    assert t["drafts"] == stats.num_drafts
+    assert t["draft_tokens"] == stats.num_draft_tokens == sum(s["num_spec_tokens"] for s in data["steps"])
+    assert t["accepted_tokens"] == stats.num_accepted_tokens
+    assert t["accepted_per_pos"] == stats.accepted_per_pos
+    assert 0 < t["accepted_tokens"] < t["draft_tokens"], "some drafts accepted and some rejected"
+    assert t["acceptance_rate"] == round(t["accepted_tokens"] / t["draft_tokens"], 4)
+
+
+def test_spec_generates_the_same_tokens_in_fewer_steps(spec):
+    engine, recorder, data, _, (baseline, baseline_steps) = spec
+    for r in data["requests"]:
+        spec_ids = recorder.outputs[r["id"]].outputs[0].token_ids
+        assert spec_ids == baseline.outputs["b" + r["id"][1:]].outputs[0].token_ids, r["id"]
+        assert r["output_tokens"] == len(spec_ids)
+    t = data["totals"]
+    assert t["generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in baseline.outputs.values())
+    assert t["steps"] < baseline_steps  # accepted drafts are tokens for which no step of their own was needed
+    # A step adds, per request, its accepted drafts and one more token.
+    for s in data["steps"]:
+        for rid, drafts in s["spec_drafts"].items():
+            assert s["scheduled"][rid] == len(drafts) + 1 and rid not in s["prefill_requests"]
+            assert 0 <= s["spec_accepted"][rid] <= len(drafts)
+
+
+def test_spec_steps_and_requests_add_up(spec):
+    _, recorder, data, _, _ = spec
+    steps, t = data["steps"], data["totals"]
+    for s in steps:
+        assert s["num_prefill_tokens"] + s["num_decode_tokens"] == s["num_scheduled_tokens"]
+        assert s["num_spec_tokens"] == sum(len(d) for d in s["spec_drafts"].values()) <= s["num_decode_tokens"]
+        assert s["num_accepted_tokens"] == sum(s["spec_accepted"].values())
+    rejected = t["draft_tokens"] - t["accepted_tokens"]
+    by_id = {r["id"]: r for r in data["requests"]}
+    for rid, r in by_id.items():
+        drafts = [(s["spec_drafts"][rid], s["spec_accepted"][rid]) for s in steps if rid in s["spec_drafts"]]
+        assert r["draft_tokens"] == sum(len(d) for d, _ in drafts)
+        assert r["accepted_tokens"] == sum(a for _, a in drafts)
+        assert sum(seg.get("draft_tokens", 0) for seg in r["segments"]) == r["draft_tokens"]
+        assert sum(seg.get("accepted_tokens", 0) for seg in r["segments"]) == r["accepted_tokens"]
+        assert sum(seg["tokens"] for seg in r["segments"]) == sum(s["scheduled"].get(rid, 0) for s in steps)
+        # Computed tokens are those whose K/V were kept: rejected drafts do not count.
+        out = recorder.outputs[rid]
+        assert r["computed_tokens"] == len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1, rid
+    assert sum(r["draft_tokens"] for r in by_id.values()) == t["draft_tokens"]
+    assert sum(r["accepted_tokens"] for r in by_id.values()) == t["accepted_tokens"]
+    assert by_id["s0"]["draft_tokens"] > 0 and by_id["s2"]["draft_tokens"] == 0
+    assert sum(r["computed_tokens"] for r in by_id.values()) + rejected == t["scheduled_tokens"]
+
+
+def test_spec_block_tables_return_the_draft_lookahead(spec):
+    _, _, data, _, _ = spec
+    bs = data["config"]["block_size"]
+    returned = 0
+    for s, held in zip(data["steps"], data["block_tables"], strict=True):
+        for rid, h in held.items():
+            assert -(-h["tokens"] // bs) == len(h["blocks"]), (s["step"], rid)
+            if "draft_blocks" in h:
+                assert rid in s["spec_drafts"] and s["spec_accepted"][rid] < len(s["spec_drafts"][rid])
+                assert not set(h["draft_blocks"]) & set(h["blocks"])
+                returned += len(h["draft_blocks"])
+    assert returned > 0
+
+
+def test_spec_report_embeds_the_figures(spec):
+    _, _, data, _, _ = spec
+    page = render_html(data)
+    t = data["totals"]
+    for key in ("draft_tokens", "accepted_tokens", "acceptance_rate"):
+        assert f'"{key}":{json.dumps(t[key])}' in page
+    assert '"speculative_config":{"method":"ngram"' in page
+    assert "acceptance rate" in page and "spec-table" in page  # the renderer's spec parts are inlined

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from trace_helpers import small_trace
+from trace_helpers import small_trace, spec_trace
 
 from pagedserve.entrypoints.dashboard.views import dashboard_html, render_html
 
@@ -88,6 +88,9 @@ def test_report_renders_in_chromium(report, tmp_path):
     assert f'data-selected-step="{data["selected_step"]}"' in dom
     held = data["block_tables"][[s["step"] for s in steps].index(data["selected_step"])]
     assert dom.count('class="pt-block pt-held"') == len({b for h in held.values() for b in h["blocks"]}) > 0
+    # No speculation in this run: nothing about it is drawn.
+    for spec_part in ('id="spec-panel"', 'class="pt-spec"', 'class="pt-bar-draft', 'class="pt-block pt-draft"'):
+        assert spec_part not in dom, spec_part
 
 
 def test_report_screenshot(report, tmp_path):
@@ -127,3 +130,36 @@ def test_dashboard_page_loads_without_errors(tmp_path):
     dom = _dump_dom(tmp_path, page)  # ./dashboard/state cannot be fetched from file://: shown, not thrown
     assert _errors_box(dom) == ""
     assert 'id="dash-status"' in dom
+
+
+def test_spec_report_shows_drafts_and_acceptance(tmp_path):
+    """The speculative run's report: summary figures, draft bars and tooltips per step, a per-request table and
+    the lookahead blocks of the selected step."""
+    _, _, data, _, _ = spec_trace()
+    steps, t = data["steps"], data["totals"]
+    sel = next(i for i, held in enumerate(data["block_tables"]) if any("draft_blocks" in h for h in held.values()))
+    data = dict(data, selected_step=steps[sel]["step"])
+    page = tmp_path / "spec.html"
+    page.write_text(render_html(data), encoding="utf-8")
+    dom = _dump_dom(tmp_path, page)
+    assert _errors_box(dom) == "" and re.search(r'<main id="app"[^>]*data-rendered="1"', dom)
+    rate = f"{round(100 * t['accepted_tokens'] / t['draft_tokens'], 1):g}%"
+    for value, label in ((t["draft_tokens"], "draft tokens"), (t["accepted_tokens"], "drafts accepted"),
+                         (rate, "acceptance rate")):
+        assert f'<div class="pt-spec"><b>{value}</b>{label}</div>' in dom, label
+    assert (f'{t["drafts"]} proposals, {t["draft_tokens"]} draft tokens, {t["accepted_tokens"]} accepted ({rate})'
+            in dom)
+    assert dom.count('class="pt-bar-draft-accepted"') == sum(1 for s in steps if s["num_accepted_tokens"])
+    assert dom.count('class="pt-bar-draft-rejected"') == sum(
+        1 for s in steps if s["num_spec_tokens"] > s["num_accepted_tokens"])
+    for s in steps:
+        if s["num_spec_tokens"]:
+            assert f"; drafts {s['num_spec_tokens']}, accepted {s['num_accepted_tokens']}</title>" in dom, s["step"]
+    table = re.search(r'<table class="pt-table" id="spec-table">(.*?)</table>', dom, re.S).group(1)
+    speculating = [r for r in data["requests"] if r["draft_tokens"]]
+    assert table.count("<tr data-request=") == len(speculating) > 0
+    for r in speculating:
+        assert f'<td>{r["draft_tokens"]}</td><td>{r["accepted_tokens"]}</td>' in table, r["id"]
+    draft_blocks = [b for h in data["block_tables"][sel].values() for b in h.get("draft_blocks", ())]
+    assert dom.count('class="pt-block pt-draft"') == len(draft_blocks) > 0
+    assert f"; drafts {steps[sel]['num_spec_tokens']}, accepted {steps[sel]['num_accepted_tokens']}</span>" in dom

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_math import blocks_for_tokens
@@ -204,10 +205,10 @@ def _token_table(engine: LLMEngine, ids: list[int]) -> Table:
     return t
 
 
-def _candidates_table(entry: dict, chosen: int, index: int, role: str | None = None) -> Table:
-    title = f"  token {index}: top-{TOP_K} candidates" + (f" ({role})" if role else "")
-    t = Table(title=title, title_justify="left", box=None,
-              header_style="bold", pad_edge=False)
+def _candidates_table(entry: dict, chosen: int, index: int, role: str | None = None) -> Group:
+    # The title is a line of its own: a table's title wraps at the table's width.
+    title = Text(f"  token {index}: top-{TOP_K} candidates" + (f" ({role})" if role else ""), style="italic")
+    t = Table(box=None, header_style="bold", pad_edge=False)
     t.add_column("rank", justify="right")
     t.add_column("id", justify="right")
     t.add_column("piece")
@@ -219,7 +220,7 @@ def _candidates_table(entry: dict, chosen: int, index: int, role: str | None = N
         mark = "← chosen" if tid == chosen else ""
         t.add_row(str(lp.rank), str(tid), piece(lp.decoded_token), f"{math.exp(lp.logprob):.4f}",
                   f"{lp.logprob:.3f}", mark)
-    return t
+    return Group(title, t)
 
 
 def _stop_reason(engine: LLMEngine, out: RequestOutput, max_tokens: int) -> str:
