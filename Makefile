@@ -33,7 +33,7 @@ serve: install
 # The trace/dashboard tests render pages in Debian's headless Chromium.
 test: install
 	sh scripts/install_chromium.sh
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 lint: install
 	$(VENV)/bin/ruff check pagedserve tests
