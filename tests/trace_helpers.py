@@ -51,7 +51,8 @@ def small_trace():
 
 
 # ---- speculative decoding: the same kind of run with n-gram drafts -------------------------------------
-SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+               "disable_by_batch_size": None}
 PARAGRAPHS = [
     "The paged KV cache stores the keys and values of every token in fixed size blocks, so memory is not wasted.",
     "A block table maps the logical positions of a request to physical blocks, which are shared between requests.",

@@ -196,7 +196,7 @@ def test_tiny_random_draft_with_the_same_vocabulary(llm_fp32, tmp_path, bundled_
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     llm = LLM(dtype="float32", speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2,
-                                                   "backoff": False})
+                                                   "backoff": False, "disable_by_batch_size": None})
     sp = SamplingParams(temperature=0, max_tokens=12)
     prompts = OTHER[:3]
     assert _tokens(llm.generate(prompts, sp, use_tqdm=False)) == _tokens(llm_fp32.generate(prompts, sp,

@@ -178,5 +178,8 @@ def run_trace(args: argparse.Namespace) -> int:
     print(f"{len(workload)} requests, {t['steps']} steps, {t['scheduled_tokens']} tokens computed "
           f"({t['prefill_tokens']} prefill, {t['decode_tokens']} decode, "
           f"{t['recomputed_tokens']} recomputed), {t['preemptions']} preemptions", file=sys.stderr)
+    if t.get("draft_tokens"):
+        print(f"speculative decoding: {t['accepted_tokens']} of {t['draft_tokens']} draft tokens accepted",
+              file=sys.stderr)
     print(f"wrote {args.output} and {json_path}", file=sys.stderr)
     return 0
