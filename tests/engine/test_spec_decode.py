@@ -206,10 +206,10 @@ def test_tiny_random_draft_with_the_same_vocabulary(llm_fp32, tmp_path, bundled_
 
 # ---- sampling: the distribution of plain sampling ------------------------------------------------
 def test_sampled_tokens_follow_plain_sampling_distribution(llm_fp32, ngram_llm):
-    """Two-sample chi-square over 300 seeded draws each: the distribution of generated tokens 2 to 4
+    """Two-sample chi-square over 200 seeded draws each: the distribution of generated tokens 2 to 4
     (which speculation proposes and verifies) is that of plain sampling."""
     prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"
-    n = 300
+    n = 200
     params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=4, seed=s, ignore_eos=True) for s in range(n)]
     plain = llm_fp32.generate([prompt] * n, params, use_tqdm=False)
     params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=4, seed=10_000 + s, ignore_eos=True)
