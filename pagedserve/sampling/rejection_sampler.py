@@ -30,9 +30,6 @@ class VerifyOutput:
     token_ids: list[list[int]]  # per request: its accepted drafts, then one token of the target's
     logprobs: list[list]  # per request, per token: as SamplerOutput.logprobs (None where not asked)
 
-    def num_accepted(self, i: int) -> int:
-        return len(self.token_ids[i]) - 1
-
 
 def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]) -> VerifyOutput:
     """logits: [sum(len(d) + 1), vocab] float32, each request's rows in order; meta: one row per logits row

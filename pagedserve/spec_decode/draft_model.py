@@ -95,7 +95,6 @@ class DraftModelProposer:
                     cfg.num_layers, source if spec.model else "the target's first layers",
                     human_bytes(loaded.model.weight_bytes()), human_bytes(cache_bytes), num_blocks)
         self._state: dict[str, _DraftState] = {}
-        self.num_forward_passes = 0
 
     def propose(self, batch: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """batch: (request, most tokens to propose) → request id → its k guesses."""
@@ -136,7 +135,6 @@ class DraftModelProposer:
             ScheduledRequest(req.request_id, fed, start, self.kv.block_table(req.request_id), True, len(fed) > 1)
             for req, fed, start in step
         ])
-        self.num_forward_passes += 1
         return self.runner.execute(sched, greedy_metadata(len(step))).token_ids
 
     def on_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
