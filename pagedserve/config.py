@@ -89,6 +89,16 @@ class EngineConfig:
     keep_dequantized_weights: bool = _env_knob(
         "keep_dequantized_weights", "keep the last GGUF's dequantized weights in memory (many engines in one "
         "process)", cli=False)
+    # ---- parallelism (pagedserve/executor/) ----
+    tensor_parallel_size: int = _knob(1, "split every layer over this many ranks (processes over "
+                                      "torch.distributed: gloo on CPU); each holds its share of the heads, "
+                                      "the MLP, the vocabulary and the KV cache")
+    tp_local_ranks: int | None = _knob(None, "of the tensor-parallel ranks, how many this machine starts "
+                                       "(ranks 0..N-1; default: all). The others join from other machines with "
+                                       "`pagedserve worker` and torch.distributed's env:// (MASTER_ADDR, "
+                                       "MASTER_PORT)")
+    data_parallel_size: int = _knob(1, "independent engine replicas (processes, each with its own threads, "
+                                    "KV cache and prefix cache) behind the one API server")
     # ---- speculative decoding ----
     speculative_config: dict | None = _knob(
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
@@ -110,6 +120,14 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if not isinstance(self.max_step_records, int) or self.max_step_records < 0:
             raise ValueError(f"max_step_records: must be an integer >= 0, got {self.max_step_records!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.tp_local_ranks is not None and (
+                not isinstance(self.tp_local_ranks, int) or not 1 <= self.tp_local_ranks <= self.tensor_parallel_size):
+            raise ValueError(f"tp_local_ranks: must be an integer in [1, tensor_parallel_size], got "
+                             f"{self.tp_local_ranks!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads", "max_block_table_records"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -48,6 +48,9 @@ Prompt = str | list[int] | dict
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: replicas are separate engine processes behind `pagedserve serve "
+                             "--data-parallel-size N`; one LLMEngine is one replica (data_parallel_size=1)")
         torch.set_num_threads(config.num_threads or usable_cores())
         self.dtype = resolve_dtype(config.dtype)
         # GGUF blocks are read in place through the C++ kernels (built once per process; the runner
