@@ -34,6 +34,7 @@ class Environment:
     api_key: str | None  # PAGEDSERVE_API_KEY: default of `serve --api-key`
     configure_logging: bool  # PAGEDSERVE_CONFIGURE_LOGGING=0 -> False
     logging_level: str  # PAGEDSERVE_LOGGING_LEVEL (default INFO)
+    tp_timeout_s: float  # PAGEDSERVE_TP_TIMEOUT_S: a tensor-parallel collective waits this long (default 300)
 
 
 def read_environment() -> Environment:
@@ -53,7 +54,13 @@ def read_environment() -> Environment:
         api_key=env.get("PAGEDSERVE_API_KEY"),
         configure_logging=env.get("PAGEDSERVE_CONFIGURE_LOGGING", "1") != "0",
         logging_level=env.get("PAGEDSERVE_LOGGING_LEVEL", "INFO").upper(),
+        tp_timeout_s=float(env.get("PAGEDSERVE_TP_TIMEOUT_S") or 300),
     )
+
+
+def distributed_rendezvous() -> dict[str, str | None]:
+    """torch.distributed's env:// variables, read when a group forms (not at import: a launcher sets them)."""
+    return {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
 
 
 ENV = read_environment()

@@ -27,6 +27,9 @@ from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedserve.engine.output_processor import OutputProcessor, ParentState
 from pagedserve.engine.stats import EngineStats, RequestInfo
 from pagedserve.engine.trace import StepRecord
+from pagedserve.executor import UniProcExecutor
+from pagedserve.executor.multiproc import MultiprocExecutor, load_rank, start_group
+from pagedserve.executor.tensor_parallel import plan as tp_plan
 from pagedserve.kernels import CpuKernels
 from pagedserve.model.loader import load_model, resolve_dtype
 from pagedserve.outputs import RequestMetrics, RequestOutput
@@ -51,13 +54,28 @@ class LLMEngine:
         if config.data_parallel_size > 1:
             raise ValueError("data_parallel_size: replicas are separate engine processes behind `pagedserve serve "
                              "--data-parallel-size N`; one LLMEngine is one replica (data_parallel_size=1)")
-        torch.set_num_threads(config.num_threads or usable_cores())
         self.dtype = resolve_dtype(config.dtype)
-        # GGUF blocks are read in place through the C++ kernels (built once per process; the runner
-        # hands the same object to the model, the attention and the sampler).
-        kernels = CpuKernels.from_config(config) if config.gguf_in_place else None
-        loaded = load_model(config.model, self.dtype, config.device, config.keep_dequantized_weights,
-                            revision=config.revision, kernels=kernels)
+        tp = self._start_tensor_parallel(config)
+        try:
+            self._build(config, tp)
+        except BaseException:
+            if tp is not None:  # the other ranks wait for rank 0: stop them
+                for proc in tp[1]:
+                    proc.terminate()
+                tp[0].destroy()
+            raise
+
+    def _build(self, config: EngineConfig, tp) -> None:
+        if tp is None:
+            torch.set_num_threads(config.num_threads or usable_cores())
+            # GGUF blocks are read in place through the C++ kernels (built once per process; the runner
+            # hands the same object to the model, the attention and the sampler).
+            kernels = CpuKernels.from_config(config) if config.gguf_in_place else None
+            loaded = load_model(config.model, self.dtype, config.device, config.keep_dequantized_weights,
+                                revision=config.revision, kernels=kernels)
+            rank_cfg = loaded.config
+        else:
+            loaded, rank_cfg = load_rank(config, tp[0])
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.served_model_name = config.served_model_name or loaded.name
@@ -65,15 +83,21 @@ class LLMEngine:
         cfg = loaded.config
         self.max_model_len = self._max_model_len(config.max_model_len)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.block_bytes = bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, elem)
+        # With tensor parallelism, a rank's block holds its own KV heads only: the bytes (and the budget,
+        # kv_cache_memory_gb) are per rank, and every rank holds the same number of blocks.
+        self.block_bytes = bytes_per_block(cfg.num_layers, rank_cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                                           elem)
         num_blocks = self._num_blocks()
+        if tp is not None:
+            tp[0].broadcast(num_blocks)
         cap = capacity(self.block_bytes, num_blocks * self.block_bytes, config.block_size)
         logger.info(
-            "KV cache: %d blocks × %s = %s, %d tokens; %d concurrent requests of max_model_len %d fit",
+            "KV cache: %d blocks × %s = %s%s, %d tokens; %d concurrent requests of max_model_len %d fit",
             num_blocks, human_bytes(self.block_bytes), human_bytes(num_blocks * self.block_bytes),
+            f" on each of {config.tensor_parallel_size} ranks" if tp is not None else "",
             cap.num_tokens, cap.max_concurrency(self.max_model_len), self.max_model_len,
         )
-        self.kv_caches = allocate_kv_cache(cfg, num_blocks, config.block_size, self.dtype, config.device)
+        self.kv_caches = allocate_kv_cache(rank_cfg, num_blocks, config.block_size, self.dtype, config.device)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
@@ -82,6 +106,8 @@ class LLMEngine:
         # The runner owns the C++ kernels (none with attention_backend="torch_ref": a pure-PyTorch
         # reference path end to end), the attention backend and the sampler.
         self.runner = ModelRunner(loaded.model, self.kv_caches, config, loaded.gguf_blocks)
+        # The engine runs steps only through the executor (one process, or rank 0 of a tensor-parallel group).
+        self.executor = UniProcExecutor(self.runner) if tp is None else MultiprocExecutor(self.runner, *tp)
         self.weight_bytes = loaded.model.weight_bytes()  # after the matmul set-up (its packed copies count)
         logger.info("weights: %s held in memory%s", human_bytes(self.weight_bytes),
                     " (GGUF blocks read in place)" if loaded.model.holds_blocks else "")
@@ -110,6 +136,23 @@ class LLMEngine:
         self.num_computed_prefill_tokens = 0
         self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self._finished_between_steps: dict[str, str] = {}  # aborts, reported in the next step record
+
+    @staticmethod
+    def _start_tensor_parallel(config: EngineConfig):
+        """(TPGroup, local rank processes) with tensor_parallel_size > 1, after checking the model splits."""
+        if config.tensor_parallel_size == 1:
+            return None
+        from pagedserve.model.loader import load_model_config
+
+        if config.batch_invariant:
+            raise ValueError("batch_invariant: not with tensor_parallel_size > 1 (the strict mode is checked on one "
+                             "process only)")
+        tp_plan(load_model_config(config.model, revision=config.revision)[0], config.tensor_parallel_size)
+        return start_group(config)
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (the tensor-parallel ranks); one process: nothing to do."""
+        self.executor.shutdown()
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _max_model_len(self, requested: int | None) -> int:
@@ -402,7 +445,7 @@ class LLMEngine:
         self._step_mask = mask
         meta = SamplingMetadata.from_requests(sampling, self.generators.for_requests(sampling),
                                               self.model_config.vocab_size, mask) if rows else None
-        result = self.runner.execute(sched, meta)
+        result = self.executor.execute(sched, meta)
         if result is None:
             return {}
         if isinstance(result, VerifyOutput):

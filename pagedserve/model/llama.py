@@ -36,6 +36,8 @@ DECODE_STACK_MAX_SEQS = GEMV_MAX_ROWS
 
 
 class Attention(nn.Module):
+    tp = None  # the tensor-parallel group (executor/tensor_parallel.py): o_proj's output is a partial sum
+
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -71,17 +73,23 @@ class Attention(nn.Module):
                                     self.num_heads, self.num_kv_heads)
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
             out = backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, **attend)
-            return self.o_proj(out.view(-1, self.q_size))
+            return self._out(out.view(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **attend)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self._out(out.reshape(-1, self.q_size))
+
+    def _out(self, heads: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(heads)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
+    tp = None  # the tensor-parallel group: down_proj's output is a partial sum
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -94,7 +102,8 @@ class MLP(nn.Module):
             act = gelu_tanh_and_mul(gate_up)
         else:
             act = kernels.silu_and_mul(gate_up) if kernels is not None else silu_and_mul(gate_up)
-        return self.down_proj(act)
+        out = self.down_proj(act)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -168,6 +177,10 @@ class LlamaForCausalLM(nn.Module):
         self.kernels: CpuKernels | None = None
         self._stack = None  # (kv_caches, C++ DecodeStack, strict attention) for few-sequence decode steps
         self.max_positions = max_positions or cfg.max_position_embeddings
+        # Tensor parallelism (executor/tensor_parallel.py): this rank's rows of the vocabulary, from
+        # vocab_start; None: the whole model here.
+        self.tp = None
+        self.vocab_start, self.vocab_per_rank = 0, cfg.vocab_size
         self.build_rotary()
 
     def build_rotary(self, device: torch.device | str | None = None) -> None:
@@ -223,12 +236,24 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
         weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
         logits = head(x, weight, None).float()  # float32 already on the CPU routes; .float() elsewhere
+        if self.tp is not None:  # each rank scored its slice of the vocabulary
+            logits = self.tp.all_gather_last(logits)[:, : cfg.vocab_size]
         if cfg.final_logit_softcapping is not None:  # Gemma 2
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._embed_rows(input_ids)
+        # Vocabulary-parallel: this rank's rows, zeros for the ids other ranks hold, summed over the ranks
+        # (one non-zero term per token: the sum is exact).
+        local = input_ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.vocab_per_rank)
+        x = self._embed_rows(local.clamp(0, self.vocab_per_rank - 1))
+        return self.tp.all_reduce(x.masked_fill(elsewhere.unsqueeze(-1), 0))
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_fixed is not None:  # rows of fixed_pack's [ceil(V/16), K, 16] layout
             return self.embed_fixed[input_ids // 16, :, input_ids % 16]
         if self.embed_quant is not None:
@@ -247,6 +272,7 @@ class LlamaForCausalLM(nn.Module):
         windows_apply = self._windowed and max(meta.seq_lens_host, default=0) > cfg.sliding_window
         return (
             self.kernels is not None
+            and self.tp is None  # a sharded layer all-reduces between its matmuls: op by op
             and self.kernels.decode_stack
             and cfg.plain_decoder
             and not windows_apply  # the C++ decode kernels have no window

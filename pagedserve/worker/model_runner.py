@@ -136,8 +136,19 @@ class ModelRunner:
         """Run the step; the sampled tokens of the `sample_rows` (None when no row samples). With draft
         tokens in the step, what the rejection sampler kept of each sampling row's drafts (VerifyOutput);
         `sampling` then has one row per scored position."""
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
-        logits = self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices)
+        return self.sample(out, sampling, self.forward(self.prepare_inputs(out)))
+
+    @torch.inference_mode()
+    def forward(self, inputs) -> torch.Tensor:
+        """The model on prepared inputs (prepare_inputs'): the float32 logits of the sampled rows. Tensor-
+        parallel ranks other than 0 run only this, on the inputs rank 0 broadcast."""
+        input_ids, positions, meta, logits_indices = inputs
+        return self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices)
+
+    @torch.inference_mode()
+    def sample(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
+               logits: torch.Tensor) -> SamplerOutput | VerifyOutput | None:
+        """The step's logits → its tokens (or its verified drafts)."""
         rows = self.sample_rows(out)
         if self.on_logits is not None:
             ids = [out.scheduled[r].request_id for r in rows for _ in range(1 + len(out.scheduled[r].spec_token_ids))]
