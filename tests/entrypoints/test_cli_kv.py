@@ -58,3 +58,20 @@ def test_kv_bad_values(capsys):
     assert "int3" in capsys.readouterr().err
     assert main(["kv", "--layers", "1", "--kv-heads", "1", "--head-dim", "4", "--memory-gb", "0"]) == 2
     assert "memory-gb" in capsys.readouterr().err
+
+
+def test_kv_per_tensor_parallel_rank(capsys):
+    # 8 KV heads over 4 ranks: 2 per rank, a quarter of the block.
+    assert main(["kv", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--tensor-parallel-size", "4",
+                 "--memory-gb", "1", "--request-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "8 kv_heads over 4 ranks (split): 2 per rank" in out
+    assert f"= {2 * 32 * 2 * 128 * 16 * 2} bytes" in out
+    assert "per rank" in out and "4 ranks hold 4 GiB" in out
+    # Fewer KV heads than ranks: replicated, one per rank (the block does not shrink below one head).
+    assert main(["kv", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tensor-parallel-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "replicated: each KV head on 2 ranks" in out and f"= {2 * 2 * 1 * 16 * 16 * 2} bytes" in out
+    # The bundled model (9 query / 3 KV heads) splits over 3 ranks, not 2.
+    assert main(["kv", "--tensor-parallel-size", "2"]) == 2
+    assert "9 attention heads" in capsys.readouterr().err

@@ -37,6 +37,8 @@ def _add_kv(sub) -> None:
     p.add_argument("--dtype", default="float16", help="KV element type: float32, float16, bfloat16, fp8")
     p.add_argument("--memory-gb", type=float, default=None, help="KV memory to plan for")
     p.add_argument("--request-len", type=int, default=None, help="tokens per request, for the concurrency line")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is split over: each block holds one rank's share of the KV heads")
     p.set_defaults(func=cmd_kv)
 
 
