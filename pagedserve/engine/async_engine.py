@@ -193,6 +193,10 @@ class AsyncLLMEngine:
             return "engine loop is not running"
         if self._draining:
             return "the server is shutting down"
+        executor = getattr(self.engine, "executor", None)  # a tensor-parallel rank gone: no step can run
+        workers = executor.check_health() if executor is not None else None
+        if workers is not None:
+            return workers
         stalled = time.monotonic() - self._last_progress
         if (self._streams or self._commands) and stalled > self.stall_timeout_s:
             return f"engine loop has made no progress for {stalled:.0f} s with requests pending"
