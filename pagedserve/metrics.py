@@ -1,15 +1,17 @@
 """Prometheus metrics with vLLM's names under the `pagedserve:` prefix (units: seconds).
 
 Gauges and counters are read from the engine when /metrics is scraped (a custom collector), so the
-engine keeps plain integer counters and knows nothing about Prometheus. Latency histograms are fed by
-the async engine's loop as tokens arrive. Each server app owns its own CollectorRegistry, so tests can
-build several apps in one process.
+engine keeps plain integer counters and knows nothing about Prometheus. With data parallelism every
+series carries vLLM's `engine="<replica index>"` label (the replicas' stats as last reported).
+Latency histograms are fed by the async engine's loop as tokens arrive. Each server app owns its own
+CollectorRegistry, so tests can build several apps in one process.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
@@ -34,104 +36,130 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class _EngineCollector:
-    """Reads the engine's running totals at scrape time."""
+    """Reads the engine's running totals at scrape time. With engine labels (data parallelism), the
+    engine is a DPEngineView: one series per replica, labelled engine="<index>" as vLLM does."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, engine_labels: list[str] | None = None) -> None:
         self.engine = engine
+        self.engine_labels = engine_labels
 
     def collect(self):
-        stats = self.engine.stats()
         name = self.engine.served_model_name
-        labels = ["model_name"]
+        if self.engine_labels is None:
+            per_engine = [([name], self.engine.stats())]
+            labels = ["model_name"]
+        else:
+            per_engine = [([name, label], s)
+                          for label, s in zip(self.engine_labels, self.engine.replica_stats(), strict=True)]
+            labels = ["model_name", "engine"]
 
-        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + metric, doc, labels=labels)
-            g.add_metric([name], value)
-            return g
+        def family(kind, metric: str, doc: str, value_of, extra: str | None = None):
+            f = kind(PREFIX + metric, doc, labels=labels + ([extra] if extra else []))
+            for values, stats in per_engine:
+                value = value_of(stats)
+                if extra is None:
+                    f.add_metric(values, value)
+                else:  # value: [(extra label value, value)]
+                    for key, v in value:
+                        f.add_metric(values + [key], v)
+            return f
 
-        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + metric, doc, labels=labels)
-            c.add_metric([name], value)
-            return c
+        def gauge(metric: str, doc: str, value_of) -> GaugeMetricFamily:
+            return family(GaugeMetricFamily, metric, doc, value_of)
 
-        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", stats.kv_cache_usage)
-        yield counter("num_preemptions", "Preemptions (recompute) so far.", stats.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+        def counter(metric: str, doc: str, value_of, extra: str | None = None) -> CounterMetricFamily:
+            return family(CounterMetricFamily, metric, doc, value_of, extra)
+
+        yield gauge("num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", lambda s: s.kv_cache_usage)
+        yield counter("num_preemptions", "Preemptions (recompute) so far.", lambda s: s.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens received.", lambda s: s.num_prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
-        success = CounterMetricFamily(
-            PREFIX + "request_success", "Finished requests by finish reason.",
-            labels=["model_name", "finished_reason"],
-        )
-        for reason, count in sorted(stats.finished_by_reason.items()):
-            success.add_metric([name, reason], count)
-        yield success
-        spec = stats.spec_decode
-        if spec is not None:  # speculative decoding, with vLLM's names
+                      lambda s: s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits)
+        yield counter("request_success", "Finished requests by finish reason.",
+                      lambda s: sorted(s.finished_by_reason.items()), extra="finished_reason")
+        specs = [s for _, s in per_engine if s.spec_decode is not None]
+        if specs:  # speculative decoding, with vLLM's names (every replica runs the same config)
+            per_engine = [(v, s) for v, s in per_engine if s.spec_decode is not None]
             yield counter("spec_decode_num_drafts", "Draft proposals verified (one per request per step).",
-                          spec.num_drafts)
+                          lambda s: s.spec_decode.num_drafts)
             yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
-                          spec.num_draft_tokens)
+                          lambda s: s.spec_decode.num_draft_tokens)
             yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
-                          spec.num_accepted_tokens)
-            per_pos = CounterMetricFamily(
-                PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
-                labels=["model_name", "position"],
-            )
-            for pos, count in enumerate(spec.accepted_per_pos):
-                per_pos.add_metric([name, str(pos)], count)
-            yield per_pos
+                          lambda s: s.spec_decode.num_accepted_tokens)
+            yield counter("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
+                          lambda s: [(str(pos), c) for pos, c in enumerate(s.spec_decode.accepted_per_pos)],
+                          extra="position")
+
+
+@dataclass(frozen=True, slots=True)
+class _Latencies:
+    """The latency histograms of one engine (the labelled children)."""
+
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue_time: Histogram
 
 
 class EngineMetrics:
-    def __init__(self, engine: LLMEngine, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, engine: LLMEngine, registry: CollectorRegistry | None = None,
+                 engine_labels: list[str] | None = None) -> None:
+        """engine_labels: data parallelism — `engine` is a DPEngineView and every series carries
+        engine="<label>" (one per replica, in replica order); `observe` then names the replica."""
         self.engine = engine
         self.registry = registry or CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, engine_labels))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (soak runs read RSS)
-        labels = ["model_name"]
+        labels = ["model_name"] if engine_labels is None else ["model_name", "engine"]
         self.model_name = engine.served_model_name
-
-        def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(
-                self.model_name
-            )
-
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds", "Time per output token (same as ITL).", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
-        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS)
+        specs = (("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
+                 ("inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS),
+                 ("time_per_output_token_seconds", "Time per output token (same as ITL).", ITL_BUCKETS),
+                 ("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS),
+                 ("request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS))
+        parents = [Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+                   for name, doc, buckets in specs]
+        if engine_labels is None:
+            self._latencies = {None: _Latencies(*(h.labels(self.model_name) for h in parents))}
+        else:
+            self._latencies = {label: _Latencies(*(h.labels(self.model_name, label) for h in parents))
+                               for label in engine_labels}
+        first = next(iter(self._latencies.values()))
+        self.ttft, self.itl, self.tpot, self.e2e, self.queue_time = (
+            first.ttft, first.itl, first.tpot, first.e2e, first.queue_time)
         self._last: dict[str, tuple[float, int]] = {}  # request id → (last token time, tokens seen)
         self._log_state = self._snapshot(time.monotonic())
 
-    # ---- fed by the async engine loop (one thread) -----------------------------------------------
-    def observe(self, out: RequestOutput, now: float | None = None) -> None:
-        """Record latencies for one RequestOutput (all of its n samples together)."""
+    # ---- fed by the async engine loop (one thread; with data parallelism, one per replica) ------------
+    def observe(self, out: RequestOutput, now: float | None = None, engine: str | None = None) -> None:
+        """Record latencies for one RequestOutput (all of its n samples together); `engine`: the label of
+        the replica that produced it (data parallelism only)."""
         now = time.time() if now is None else now
+        h = self._latencies[engine]
         m = out.metrics
         num_tokens = sum(len(o.token_ids) for o in out.outputs)
         prev = self._last.get(out.request_id)
         if prev is None:
             if num_tokens and m is not None and m.first_token_time is not None:
-                self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                h.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
                 if m.first_scheduled_time is not None:
-                    self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                    h.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
                 self._last[out.request_id] = (now, num_tokens)
         elif num_tokens > prev[1]:
             per_token = (now - prev[0]) / (num_tokens - prev[1])
             for _ in range(num_tokens - prev[1]):
-                self.itl.observe(per_token)
-                self.tpot.observe(per_token)
+                h.itl.observe(per_token)
+                h.tpot.observe(per_token)
             self._last[out.request_id] = (now, num_tokens)
         if out.finished:
             self._last.pop(out.request_id, None)
             if m is not None:
-                self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+                h.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
 
     def forget(self, request_id: str) -> None:
         self._last.pop(request_id, None)

@@ -60,9 +60,19 @@ def cmd_serve(args: argparse.Namespace, config) -> int:
         tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     except ValueError as e:
         raise SystemExit(f"pagedserve serve: {e}") from None
-    engine = LLMEngine(config)
-    aengine = AsyncLLMEngine(engine, args.log_interval, EngineMetrics(engine), args.max_queue_len,
-                             request_timeout_s=args.request_timeout)
+    if config.data_parallel_size > 1:  # N replica processes; this one holds no engine (data_parallel.py)
+        from pagedserve.engine.data_parallel import DPAsyncEngine
+
+        try:
+            aengine = DPAsyncEngine(config, args.log_interval, args.max_queue_len,
+                                    request_timeout_s=args.request_timeout)
+        except RuntimeError as e:  # a replica failed to start: its error, not a traceback of this process
+            raise SystemExit(f"pagedserve serve: {e}") from None
+        engine = aengine.view
+    else:
+        engine = LLMEngine(config)
+        aengine = AsyncLLMEngine(engine, args.log_interval, EngineMetrics(engine), args.max_queue_len,
+                                 request_timeout_s=args.request_timeout)
     app = build_app(engine, api_key=args.api_key, async_engine=aengine, tool_options=tool_options)
     server = GracefulServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5),

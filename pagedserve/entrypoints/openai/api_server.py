@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,6 +39,9 @@ from pagedserve.entrypoints.openai.serving_engine import ServerContext
 from pagedserve.entrypoints.openai.serving_tools import ToolOptions
 from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 
+if TYPE_CHECKING:
+    from pagedserve.engine.data_parallel import DPAsyncEngine, DPEngineView
+
 logger = logging.getLogger("pagedserve")
 
 
@@ -52,11 +56,14 @@ def _field_path(error: dict) -> list[str]:
 
 # ---- the app -------------------------------------------------------------------------------------
 def build_app(
-    engine: LLMEngine, api_key: str | None = None, log_interval_s: float = 10.0,
-    async_engine: AsyncLLMEngine | None = None, max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
+    engine: LLMEngine | DPEngineView, api_key: str | None = None, log_interval_s: float = 10.0,
+    async_engine: AsyncLLMEngine | DPAsyncEngine | None = None, max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_options: ToolOptions | None = None,
 ) -> FastAPI:
-    """tool_options: --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (serving_tools.py)."""
+    """tool_options: --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (serving_tools.py).
+
+    Data parallelism: pass a DPAsyncEngine as async_engine and its `view` as engine (no LLMEngine in
+    this process)."""
     aengine = async_engine or AsyncLLMEngine(engine, log_interval_s, EngineMetrics(engine), max_queue_len)
     ctx = ServerContext(engine, aengine, tool_options or ToolOptions())
 
@@ -116,7 +123,8 @@ def build_app(
         reason = aengine.unhealthy_reason()
         if reason is not None:
             raise OpenAIError(reason, 503, "server_error")
-        return JSONResponse({})
+        detail = getattr(aengine, "health_detail", None)  # data parallel: each replica's state
+        return JSONResponse(detail() if detail is not None else {})
 
     @app.get("/v1/models")
     async def models():
@@ -131,8 +139,8 @@ def build_app(
         return serving_dashboard.dashboard_page()
 
     @app.get("/dashboard/state")
-    async def dashboard_state():
-        return await serving_dashboard.dashboard_state(ctx)
+    async def dashboard_state(replica: int = 0):
+        return await serving_dashboard.dashboard_state(ctx, replica)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
