@@ -381,15 +381,21 @@ async def _one_stream(client, url: str, body: dict, headers: dict, drop_after: i
 
 
 async def _server_state(client, base_url: str, headers: dict) -> dict:
-    """The server's RSS, KV usage and running/waiting requests, read from its /metrics."""
+    """The server's RSS, KV usage and running/waiting requests, read from its /metrics (summed over the
+    replicas' `engine` label values with data parallelism; their KV usage averaged)."""
     text = (await client.get(base_url + "/metrics", headers=headers)).text
     wanted = {"process_resident_memory_bytes": "rss_bytes", "pagedserve:kv_cache_usage_perc": "kv_cache_usage",
               "pagedserve:num_requests_running": "num_running", "pagedserve:num_requests_waiting": "num_waiting"}
-    state = {}
+    state: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted and not line.startswith("#"):
-            state[wanted[name]] = float(line.rsplit(" ", 1)[1])
+            key = wanted[name]
+            state[key] = state.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            counts[key] = counts.get(key, 0) + 1
+    if counts.get("kv_cache_usage", 0) > 1:
+        state["kv_cache_usage"] /= counts["kv_cache_usage"]
     return state
 
 
