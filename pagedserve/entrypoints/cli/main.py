@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pagedserve.entrypoints.cli import bench, chat, serve, trace, worker
+from pagedserve.entrypoints.cli import bench, chat, router, serve, trace, worker
 from pagedserve.entrypoints.cli.args import add_engine_args, engine_config_from_args
 
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_kv(sub)
-    for module in (serve, chat, bench, trace, worker):
+    for module in (serve, chat, bench, trace, worker, router):
         module.register(sub)
     return parser
 
