@@ -38,3 +38,49 @@ def hf_bundled(bundled_path):
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32).eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_parse_once():
+    """A context manager under which transformers' loads from a GGUF share the work they would repeat: each
+    `from_pretrained(..., gguf_file=...)` parses the whole file with gguf-py's GGUFReader (a Python object per
+    vocabulary entry: seconds, and ~30 s for a 262k vocabulary) once for the config and again for the weights
+    (and once more for a tokenizer), and builds gguf-py's tensor-name map once per submodule of the model
+    (~400 identical maps). Inside it, transformers gets one reader per file (read-only: a memory map and the
+    parsed fields, which it only reads) and one name map per (architecture, layers) — the same objects it
+    would build again, so the loaded model and tokenizer are the same. pagedserve's own reads of the file
+    (model/loader.py) still build their own reader, unless with_pagedserve=True: then its loader gets the
+    same reader too (it only reads it; it frees the reader's fields after its read, which the kept reader
+    delays until clear()). It yields the readers it keeps (clear() frees them)."""
+    import contextlib
+    import functools
+    import sys
+
+    import gguf
+
+    @contextlib.contextmanager
+    def parse_once(with_pagedserve: bool = False):
+        real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple[str, int, int], object] = {}
+        sharing = {"transformers.modeling_gguf_pytorch_utils"}
+        if with_pagedserve:
+            sharing.add("pagedserve.model.loader")
+
+        def reader(path, mode="r"):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if mode != "r" or caller not in sharing:
+                return real_reader(path, mode)
+            st = os.stat(path)
+            key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+            if key not in readers:
+                readers[key] = real_reader(path)
+            return readers[key]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_name_map)
+        try:
+            yield readers
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+            readers.clear()
+
+    return parse_once

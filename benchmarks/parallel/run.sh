@@ -8,14 +8,15 @@ P=.venv/bin/pagedserve
 OUT=benchmarks/parallel
 .venv/bin/python $OUT/allreduce.py --json $OUT/allreduce.json
 # Dense float32 weights for both (TP widens GGUF blocks: shards cut along columns would split them).
-export PAGEDSERVE_DEQUANTIZE_GGUF=1
+# (PAGEDSERVE_NO_GGUF_GEMV too: the decode GEMV over the kept Q4 blocks is slow on AVX2-only builds.)
+export PAGEDSERVE_DEQUANTIZE_GGUF=1 PAGEDSERVE_NO_GGUF_GEMV=1
 for tp in 1 3; do
   $P bench throughput --num-prompts 32 --input-len 128 --output-len 64 --tensor-parallel-size $tp \
     --quiet --json $OUT/tp${tp}_throughput.json > /dev/null
   $P bench latency --input-len 32 --output-len 64 --num-iters 2 --tensor-parallel-size $tp \
     --quiet --json $OUT/tp${tp}_latency.json > /dev/null
 done
-unset PAGEDSERVE_DEQUANTIZE_GGUF
+unset PAGEDSERVE_DEQUANTIZE_GGUF PAGEDSERVE_NO_GGUF_GEMV
 for dp in 1 2; do
   port=$((18400 + dp))
   $P serve --port $port --data-parallel-size $dp --num-kv-blocks 2048 > $OUT/serve_dp$dp.log 2>&1 &
@@ -35,7 +36,7 @@ d = "benchmarks/parallel/"
 for n in ("tp1", "tp3"):
     t, l = json.load(open(d + n + "_throughput.json")), json.load(open(d + n + "_latency.json"))
     print(n, {k: round(v, 1) for k, v in t.items() if k.endswith("_per_s") and isinstance(v, float)},
-          "latency", {k: round(v, 4) for k, v in l.items() if "latency" in k and isinstance(v, float)})
+          "latency", {k: round(v, 4) for k, v in l.items() if k.endswith("_mean") and isinstance(v, float)})
 for n in ("dp1", "dp2"):
     s = json.load(open(d + n + "_serve.json"))
     print(n, "req/s %.2f out tok/s %.1f ttft p50 %.3f tpot p50 %.4f failed %d" % (

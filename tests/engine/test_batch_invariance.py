@@ -131,7 +131,9 @@ def _distractor(i: int) -> str:
 def _logits_of_target(llm: LLM, batch: int) -> list[torch.Tensor]:
     """The target's logits at each step when it runs with batch - 1 others: half of them added before
     it (so they decode, or still prefill, while it prefills), half after (they prefill while it
-    decodes)."""
+    decodes). Once the target has finished, the others are aborted: their remaining steps (a third of
+    the steps at batch 128, where the later half is still prefilling) come after its last logits, so they
+    cannot change any logits compared; every step the target runs in is as before."""
     engine = llm.engine
     seen: dict[str, list[torch.Tensor]] = {}
 
@@ -140,19 +142,25 @@ def _logits_of_target(llm: LLM, batch: int) -> list[torch.Tensor]:
             if rid == "target":
                 seen.setdefault(rid, []).append(logits[row].clone())
 
+    def step() -> bool:  # whether the target finished in this step
+        return any(o.request_id == "target" and o.finished for o in engine.step())
+
     engine.runner.on_logits = hook
     others = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     before = (batch - 1) // 2
     for i in range(before):
         engine.add_request(f"d{i}", _distractor(i), others)
     if before:
-        engine.step()
+        step()
     engine.add_request("target", TARGET, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.step()
+    done = step()
     for i in range(before, batch - 1):
         engine.add_request(f"d{i}", _distractor(i), others)
-    while engine.has_unfinished_requests():
-        engine.step()
+    while not done and engine.has_unfinished_requests():
+        done = step()
+    assert done
+    engine.abort_all()
+    assert not engine.has_unfinished_requests()
     engine.runner.on_logits = None
     return seen["target"]
 

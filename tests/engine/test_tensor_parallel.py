@@ -149,11 +149,13 @@ def test_replicated_kv_head_equals_tp1_and_a_dead_rank_is_an_error(tmp_path, bun
 
 
 @pytest.fixture(scope="module")
-def bundled_hf_dir(tmp_path_factory, hf_bundled):
-    """The bundled model's weights as an HF directory (every rank loads it quickly: safetensors)."""
+def bundled_hf_dir(tmp_path_factory, request, hf_gguf_parse_once):
+    """The bundled model's weights as an HF directory (every rank loads it quickly: safetensors), from
+    conftest's hf_bundled (transformers' load of the GGUF, with one parse of the file)."""
     from safetensors.torch import save_file
 
-    model, tok = hf_bundled
+    with hf_gguf_parse_once():
+        model, tok = request.getfixturevalue("hf_bundled")
     d = tmp_path_factory.mktemp("bundled-hf")
     # transformers refuses to re-save a GGUF-loaded model; the tied head is the embedding (not stored twice).
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}

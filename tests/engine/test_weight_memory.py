@@ -44,17 +44,45 @@ print(json.dumps({"base": base, "after": after, "weights": engine.weight_bytes, 
 """
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_resident_memory_is_weights_plus_cache_plus_fixed_overhead(dtype):
-    from pagedserve.model.loader import bundled_model_path
+DTYPES = ["float32", "bfloat16"]
 
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of SCRIPT for each dtype, each in its own fresh process. The processes
+    run at the same time: each measures only its own RSS (VmRSS of /proc/self), so running side by side
+    changes no figure, and most of their time (imports, gguf-py's parse of the file) is one core's work."""
     # A server's process: without the test suite's PAGEDSERVE_KEEP_DEQUANTIZED, which keeps the GGUF's parse
     # (and its memory map) for the next engine.
     env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_KEEP_DEQUANTIZED"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, dtype], capture_output=True, text=True, timeout=600,
-                         env={**env, "PAGEDSERVE_CONFIGURE_LOGGING": "0"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    m = json.loads(out.stdout.strip().splitlines()[-1])
+    env["PAGEDSERVE_CONFIGURE_LOGGING"] = "0"
+    logs = tmp_path_factory.mktemp("weight-memory")
+    procs = {}
+    for dtype in DTYPES:
+        with open(logs / f"{dtype}.out", "w") as out, open(logs / f"{dtype}.err", "w") as err:
+            procs[dtype] = subprocess.Popen([sys.executable, "-c", SCRIPT, dtype], stdout=out, stderr=err,
+                                            text=True, env=env)
+    results = {}
+    try:
+        for dtype, proc in procs.items():
+            proc.wait(timeout=600)
+            results[dtype] = (proc.returncode, (logs / f"{dtype}.out").read_text(),
+                              (logs / f"{dtype}.err").read_text())
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_resident_memory_is_weights_plus_cache_plus_fixed_overhead(dtype, measured):
+    from pagedserve.model.loader import bundled_model_path
+
+    returncode, stdout, stderr = measured[dtype]
+    assert returncode == 0, stderr[-3000:]
+    m = json.loads(stdout.strip().splitlines()[-1])
     assert m["holds_blocks"]
     file_bytes = os.path.getsize(bundled_model_path())
     # The weights are the file's tensors as stored (norms widened to the dtype, a few padded panels).

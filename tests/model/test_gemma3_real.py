@@ -26,14 +26,24 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def llm(gguf_path):
+def one_parse(hf_gguf_parse_once):
+    """The module's loads of the file share one gguf-py parse of it (conftest: hf_gguf_parse_once) instead
+    of three or four, ~30 s each for the 262k-entry vocabulary: the engine's (pagedserve's loader) and,
+    through transformers, the tokenizer conversion (when it is not cached yet), the reference's config and
+    its weights. Each still reads, dequantizes and converts the file with its own code."""
+    with hf_gguf_parse_once(with_pagedserve=True) as readers:
+        yield readers
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path, one_parse):
     from pagedserve import LLM
 
     return LLM(gguf_path, dtype="float32", max_model_len=2048, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")
-def hf_continuations(gguf_path, llm):
+def hf_continuations(gguf_path, llm, one_parse):
     """transformers 5.24 on the same GGUF (it dequantizes with gguf-py): greedy token ids per prompt. The
     prompt ids come from pagedserve's tokenizer, which is transformers' own conversion of the file's
     (model/loader.py: load_hf_tokenizer), cached, so the slow conversion of the 262k vocabulary runs once."""
@@ -41,6 +51,7 @@ def hf_continuations(gguf_path, llm):
 
     directory, name = os.path.split(gguf_path)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    one_parse.clear()  # both models hold their weights now: the kept parse is not needed any more
     out = []
     with torch.no_grad():
         for p in PROMPTS:

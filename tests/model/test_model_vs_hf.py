@@ -318,10 +318,18 @@ BUNDLED_PROMPTS = [
 ]
 
 
-def test_bundled_greedy_matches_transformers(llm_fp32, hf_bundled):
+@pytest.fixture(scope="module")
+def hf_bundled_parsed_once(request, hf_gguf_parse_once):
+    """conftest's hf_bundled (transformers' tokenizer and model from the bundled GGUF), loaded with one parse
+    of the file instead of three (tokenizer, config, weights): the same model and tokenizer, faster."""
+    with hf_gguf_parse_once():
+        return request.getfixturevalue("hf_bundled")
+
+
+def test_bundled_greedy_matches_transformers(llm_fp32, hf_bundled_parsed_once):
     from pagedserve import SamplingParams
 
-    hf, tok = hf_bundled
+    hf, tok = hf_bundled_parsed_once
     ids = [tok(p).input_ids for p in BUNDLED_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm_fp32.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
