@@ -45,11 +45,11 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig, usable_cores
+from pagedserve.core.affinity import PrefixAffinity
 from pagedserve.engine.async_engine import (
     DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_STALL_TIMEOUT_S,
@@ -80,29 +80,15 @@ class Router:
         self.block_size = block_size
         self.slack = slack
         self.max_prefixes = max_prefixes
-        self._home: OrderedDict[tuple[int, ...], int] = OrderedDict()
-        self._turn = 0
+        self._affinity: PrefixAffinity[int] = PrefixAffinity(slack, max_prefixes)
 
     def choose(self, token_ids: Sequence[int] | None, loads: Sequence[int | None]) -> int:
         """The replica for a prompt; loads[i] is None for a dead replica. EngineDeadError if all are."""
         live = [i for i, load in enumerate(loads) if load is not None]
         if not live:
             raise EngineDeadError("every data-parallel replica has died")
-        turn, n = self._turn, len(loads)
-        self._turn += 1
-        least = min(live, key=lambda i: (loads[i], (i - turn) % n))
-        if token_ids is None or len(token_ids) < self.block_size:
-            return least
-        key = tuple(token_ids[: self.block_size])
-        home = self._home.get(key)
-        if home is not None and loads[home] is not None and loads[home] <= loads[least] + self.slack:
-            self._home.move_to_end(key)
-            return home
-        self._home[key] = least
-        self._home.move_to_end(key)
-        if len(self._home) > self.max_prefixes:
-            self._home.popitem(last=False)
-        return least
+        key = None if token_ids is None or len(token_ids) < self.block_size else tuple(token_ids[: self.block_size])
+        return self._affinity.choose(live, loads.__getitem__, int, len(loads), key)
 
 
 # ---- the engine's stand-in ---------------------------------------------------------------------------

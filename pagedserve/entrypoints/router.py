@@ -38,7 +38,6 @@ import contextlib
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.core.affinity import PrefixAffinity
 from pagedserve.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from pagedserve.metrics import CONTENT_TYPE
 
@@ -225,8 +225,7 @@ class Router:
         self.health_interval_s, self.request_timeout_s = health_interval_s, request_timeout_s
         self.api_key, self.backend_api_key = api_key, backend_api_key
         self.num_unroutable = 0  # requests answered 503: no healthy backend
-        self._home: OrderedDict[int, Backend] = OrderedDict()
-        self._turn = 0
+        self._affinity: PrefixAffinity[Backend] = PrefixAffinity(slack, max_prefixes)
         self._client: httpx.AsyncClient | None = None
         self._checker: asyncio.Task | None = None
         self.registry = CollectorRegistry()
@@ -257,20 +256,7 @@ class Router:
         healthy = [b for b in self.backends if b.healthy and b not in exclude]
         if not healthy:
             return None
-        turn, n = self._turn, len(self.backends)
-        self._turn += 1
-        least = min(healthy, key=lambda b: (b.load, (b.index - turn) % n))
-        if key is None:
-            return least
-        home = self._home.get(key)
-        if home is not None and home in healthy and home.load <= least.load + self.slack:
-            self._home.move_to_end(key)
-            return home
-        self._home[key] = least
-        self._home.move_to_end(key)
-        if len(self._home) > self.max_prefixes:
-            self._home.popitem(last=False)
-        return least
+        return self._affinity.choose(healthy, lambda b: b.load, lambda b: b.index, len(self.backends), key)
 
     # ---- health -----------------------------------------------------------------------------------------
     async def _health_loop(self) -> None:

@@ -55,7 +55,7 @@ def test_router_balances_short_prompts_and_forgets_old_prefixes():
     assert r.choose([5], [3, 1]) == 1 and r.choose(None, [0, 2]) == 0
     for k in range(3):
         r.choose([k] * 16, [0, 0])
-    assert len(r._home) == 2 and (0,) * 16 not in r._home
+    assert len(r._affinity._home) == 2 and (0,) * 16 not in r._affinity._home
 
 
 def _stats(**kw) -> EngineStats:

@@ -87,7 +87,7 @@ def test_the_prefix_map_forgets_the_least_recent():
     r = _router(max_prefixes=2)
     for key in (1, 2, 3):
         r.choose(key)
-    assert list(r._home) == [2, 3]
+    assert list(r._affinity._home) == [2, 3]
 
 
 def test_prefix_key_is_the_first_block():
