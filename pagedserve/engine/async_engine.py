@@ -346,9 +346,13 @@ class AsyncLLMEngine:
         self._next_expiry_check = now + 0.2
         expired = [rid for rid, st in self._streams.items() if now - st.arrival > self.request_timeout_s]
         for rid in expired:
-            self._streams.pop(rid).put(RequestTimeoutError(f"request timed out after {self.request_timeout_s:g} s"))
+            # Abort in the engine before the caller hears of it: once the error arrives, the request's
+            # blocks are free and it is gone from the scheduler.
+            stream = self._streams.pop(rid)
             self.metrics.forget(rid)
-            self._dispatch(self.engine.abort_request(rid))
+            outputs = self.engine.abort_request(rid)
+            stream.put(RequestTimeoutError(f"request timed out after {self.request_timeout_s:g} s"))
+            self._dispatch(outputs)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

@@ -536,10 +536,10 @@ class DPAsyncEngine:
             expired = [(rid, e) for rid, e in self._streams.items() if now - e.stream.arrival > self.request_timeout_s]
             for rid, _ in expired:
                 del self._streams[rid]
-        for rid, e in expired:
-            e.stream.put(RequestTimeoutError(f"request timed out after {self.request_timeout_s:g} s"))
-            self.metrics.forget(rid)
+        for rid, e in expired:  # the abort is on its way before the caller hears of the timeout
             self.replicas[e.replica].send(("abort", rid))
+            self.metrics.forget(rid)
+            e.stream.put(RequestTimeoutError(f"request timed out after {self.request_timeout_s:g} s"))
 
     def _stop_all(self) -> None:
         """Fail what is in flight (never a cut-off text), tell the replicas to exit, wait, then kill."""
