@@ -63,4 +63,10 @@ def distributed_rendezvous() -> dict[str, str | None]:
     return {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
 
 
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton runs its kernels on the CPU through its interpreter. Triton reads it when
+    a kernel module is imported, so this is read then too, not at pagedserve's import."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 ENV = read_environment()

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The Triton kernels (the CUDA attention backend) run through Triton's interpreter where there is no GPU;
+# set before anything imports triton (it reads the variable when a kernel is decorated).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Many engines are built on the bundled model: dequantize its GGUF once per test process.
 os.environ.setdefault("PAGEDSERVE_KEEP_DEQUANTIZED", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

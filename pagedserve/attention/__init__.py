@@ -23,8 +23,17 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_backend", "write_kv"]
 
 
+# Imported on first use: triton is needed only by the CUDA backend (attention/triton_backend.py).
+LAZY_BACKENDS = ("triton",)
+
+
 def get_backend(name: str, kernels: CpuKernels | None = None) -> AttentionBackend:
     """A backend by name; `kernels` are the C++ CPU kernels it may use (None: PyTorch only)."""
+    if name == "triton":
+        from pagedserve.attention.triton_backend import TritonBackend
+
+        return TritonBackend(kernels)
     if name not in BACKENDS:
-        raise ValueError(f"attention_backend: unknown backend {name!r} (choose from {sorted(BACKENDS)})")
+        raise ValueError(f"attention_backend: unknown backend {name!r} (choose from "
+                         f"{sorted([*BACKENDS, *LAZY_BACKENDS])})")
     return BACKENDS[name](kernels)
