@@ -18,7 +18,8 @@ DEFAULT_KV_CACHE_MAX_GB = 2.0  # ...but never more than this
 # Model dtypes: the names users give, each mapped to its canonical name ("auto" picks per device/CPU).
 MODEL_DTYPES = ("auto", "float32", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
-ATTENTION_BACKENDS = ("batched", "torch_ref")
+ATTENTION_BACKENDS = ("auto", "batched", "torch_ref", "triton")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def canonical_dtype(name: str) -> str:
@@ -48,22 +49,31 @@ class EngineConfig:
                                           cli=False)
     dtype: str = _knob("auto", "weights and activations: auto (bfloat16 where the CPU has native bf16, "
                        "else float32), float32 or bfloat16", choices=MODEL_DTYPES)
-    device: str = _knob("cpu", "where the model runs", cli=False)
+    device: str = _knob("auto", "where the model, the KV cache and the sampler run: cpu, cuda (bfloat16 by "
+                        "default there), or auto (cuda when torch sees a GPU, else cpu)", choices=DEVICES)
     # ---- KV cache ----
     block_size: int = _knob(16, "tokens per KV block")
     num_kv_blocks: int | None = _knob(None, "exact number of KV blocks (wins over --kv-cache-memory-gb)")
     kv_cache_memory_gb: float | None = _knob(None, "KV cache size in GiB (default: 20%% of free memory, "
                                              "at most 2 GiB)")
     enable_prefix_caching: bool = _knob(True, "share the KV blocks of common prompt prefixes")
+    gpu_memory_utilization: float = _knob(0.9, "on cuda: the share of the GPU's memory this engine may use; "
+                                          "the KV cache gets what the weights and a warm-up step's peak "
+                                          "activations leave of it")
     # ---- scheduler ----
     max_num_seqs: int = _knob(128, "most sequences in one step")
     max_num_batched_tokens: int = _knob(2048, "token budget of one step")
     max_model_len: int | None = _knob(None, "context length (default: the model's)")
     seed: int = _knob(0, "seed of the engine's sampler (requests without their own seed)")
     # ---- compute paths (the defaults come from envs.py's variables) ----
-    attention_backend: str = _knob("batched", "attention over the paged cache: batched (C++ decode kernel "
-                                   "+ SDPA) or torch_ref (the pure-PyTorch reference, no C++ anywhere)",
+    attention_backend: str = _knob("auto", "attention over the paged cache: batched (C++ decode kernel + "
+                                   "SDPA), torch_ref (the pure-PyTorch reference, no C++ anywhere), triton "
+                                   "(the CUDA kernels), or auto (triton on cuda, batched on cpu)",
                                    choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = _knob(False, "on cuda: run decode steps op by op instead of replaying CUDA graphs")
+    cuda_graph_sizes: tuple[int, ...] | None = _knob(
+        None, "on cuda: the decode batch sizes captured as CUDA graphs (a step is padded up to the next one; "
+        "default 1, 2, 4, 8, then every 8 up to max_num_seqs, at most 256)", cli=False)
     num_threads: int | None = _knob(None, "torch threads (default: the cores this process may use)")
     use_cpp_kernels: bool = _env_knob(
         "use_cpp_kernels", "pagedserve's C++ CPU kernels (fused ops, decode attention, GEMVs); off: pure PyTorch")
@@ -135,6 +145,22 @@ class EngineConfig:
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb!r}")
         canonical_dtype(self.dtype)
+        if self.device not in DEVICES:
+            raise ValueError(f"device: must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "auto":
+            self.device = resolve_device("auto")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else "batched"
+        if not isinstance(self.gpu_memory_utilization, int | float) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(self.cuda_graph_sizes) if isinstance(self.cuda_graph_sizes, list | tuple) else None
+            if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+                raise ValueError(f"cuda_graph_sizes: must be positive batch sizes, got {self.cuda_graph_sizes!r}")
+            self.cuda_graph_sizes = tuple(sorted(set(sizes)))
+        if self.device == "cuda" and self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: tensor parallelism runs on the CPU (gloo) only; on cuda use "
+                             "tensor_parallel_size=1")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
             raise ValueError(f"revision: must be a branch, tag or commit name, got {self.revision!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -163,6 +189,15 @@ class EngineConfig:
     def default_of(f: Field):
         """A field's default value (evaluating default factories)."""
         return f.default_factory() if f.default is MISSING else f.default
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; other names unchanged."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def available_memory_bytes() -> int:

@@ -57,3 +57,39 @@ def human_bytes(n: float) -> str:
             break
         n /= 1024
     return f"{n:.0f} {unit}" if unit == "B" or float(n).is_integer() else f"{n:.2f} {unit}"
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """How a GPU's memory is shared out (vLLM's rule): the engine may use `utilization` of the total; the
+    weights, the peak activation memory of a warm-up step at the step budget and what is in use on the
+    GPU outside this engine's tensors (the CUDA context, other processes) come first, the KV cache gets
+    the rest."""
+
+    total: int
+    utilization: float
+    weights: int
+    peak_activation: int
+    other: int
+
+    @property
+    def budget(self) -> int:
+        return int(self.total * self.utilization)
+
+    @property
+    def kv_cache(self) -> int:
+        return self.budget - self.weights - self.peak_activation - self.other
+
+    def describe(self) -> str:
+        return (f"{self.utilization:g} of {human_bytes(self.total)} = {human_bytes(self.budget)}: weights "
+                f"{human_bytes(self.weights)}, peak activations {human_bytes(self.peak_activation)}, "
+                f"{human_bytes(self.other)} in use outside this engine's tensors")
+
+    def num_blocks(self, block_bytes: int) -> int:
+        """KV blocks that fit; a ValueError naming gpu_memory_utilization when not one does."""
+        n = self.kv_cache // block_bytes if self.kv_cache > 0 else 0
+        if n < 1:
+            raise ValueError(f"gpu_memory_utilization: {self.describe()} leave no room for a KV block of "
+                             f"{human_bytes(block_bytes)}; raise gpu_memory_utilization or lower "
+                             "max_num_batched_tokens")
+        return int(n)

@@ -54,7 +54,9 @@ class LLMEngine:
         if config.data_parallel_size > 1:
             raise ValueError("data_parallel_size: replicas are separate engine processes behind `pagedserve serve "
                              "--data-parallel-size N`; one LLMEngine is one replica (data_parallel_size=1)")
-        self.dtype = resolve_dtype(config.dtype)
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: 'cuda', but torch {torch.__version__} sees no CUDA GPU here")
+        self.dtype = resolve_dtype(config.dtype, config.device)
         tp = self._start_tensor_parallel(config)
         try:
             self._build(config, tp)
@@ -87,7 +89,10 @@ class LLMEngine:
         # kv_cache_memory_gb) are per rank, and every rank holds the same number of blocks.
         self.block_bytes = bytes_per_block(cfg.num_layers, rank_cfg.num_kv_heads, cfg.head_dim, config.block_size,
                                            elem)
-        num_blocks = self._num_blocks()
+        if config.device == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
+            num_blocks = self._gpu_num_blocks(loaded.model)
+        else:
+            num_blocks = self._num_blocks()
         if tp is not None:
             tp[0].broadcast(num_blocks)
         cap = capacity(self.block_bytes, num_blocks * self.block_bytes, config.block_size)
@@ -106,13 +111,18 @@ class LLMEngine:
         # The runner owns the C++ kernels (none with attention_backend="torch_ref": a pure-PyTorch
         # reference path end to end), the attention backend and the sampler.
         self.runner = ModelRunner(loaded.model, self.kv_caches, config, loaded.gguf_blocks)
+        if config.device == "cuda" and not config.enforce_eager and self.runner.backend.name == "triton":
+            from pagedserve.worker.cuda_graph import default_sizes
+
+            sizes = config.cuda_graph_sizes or default_sizes(config.max_num_seqs)
+            self.runner.enable_decode_graphs(sizes, -(-self.max_model_len // config.block_size))
         # The engine runs steps only through the executor (one process, or rank 0 of a tensor-parallel group).
         self.executor = UniProcExecutor(self.runner) if tp is None else MultiprocExecutor(self.runner, *tp)
         self.weight_bytes = loaded.model.weight_bytes()  # after the matmul set-up (its packed copies count)
         logger.info("weights: %s held in memory%s", human_bytes(self.weight_bytes),
                     " (GGUF blocks read in place)" if loaded.model.holds_blocks else "")
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.generators = RequestGenerators()
+        self.generators = RequestGenerators(config.device)
         self.parents: dict[str, ParentState] = {}
         self.sample_to_parent: dict[str, ParentState] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=config.max_step_records)
@@ -163,6 +173,21 @@ class LLMEngine:
         if requested > limit:
             raise ValueError(f"max_model_len: {requested} exceeds the model's context length ({limit})")
         return requested
+
+    def _gpu_num_blocks(self, model) -> int:
+        """On a GPU: the blocks that gpu_memory_utilization of its memory holds after the weights and a
+        warm-up step's peak activations (worker/gpu_memory.py)."""
+        from pagedserve.attention import get_backend
+        from pagedserve.worker.gpu_memory import CudaMemory, plan_kv_cache
+
+        c = self.config
+        plan = plan_kv_cache(model, get_backend(c.attention_backend), self.model_config,
+                             weight_bytes=model.weight_bytes(), utilization=c.gpu_memory_utilization,
+                             num_tokens=min(c.max_num_batched_tokens, self.max_model_len * c.max_num_seqs),
+                             num_seqs=c.max_num_seqs, block_size=c.block_size, dtype=self.dtype,
+                             device=c.device, memory=CudaMemory(c.device))
+        logger.info("GPU memory: %s; the KV cache gets %s", plan.describe(), human_bytes(max(plan.kv_cache, 0)))
+        return plan.num_blocks(self.block_bytes)
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -444,7 +469,7 @@ class LLMEngine:
         mask = self.structured.start_masks([r.request_id for r in sampling]) if self.structured.matchers else None
         self._step_mask = mask
         meta = SamplingMetadata.from_requests(sampling, self.generators.for_requests(sampling),
-                                              self.model_config.vocab_size, mask) if rows else None
+                                              self.model_config.vocab_size, mask, self.config.device) if rows else None
         result = self.executor.execute(sched, meta)
         if result is None:
             return {}

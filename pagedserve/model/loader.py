@@ -77,18 +77,18 @@ def resolve_model(model: str | None, *, revision: str | None = None) -> tuple[st
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # config.MODEL_DTYPES, less "auto"
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in TORCH_DTYPES.values():
             raise ValueError(f"dtype: {dtype} is not supported (float32 or bfloat16)")
         return dtype
     name = canonical_dtype(dtype)
-    return auto_dtype() if name == "auto" else TORCH_DTYPES[name]
+    return auto_dtype(device) if name == "auto" else TORCH_DTYPES[name]
 
 
-def auto_dtype() -> torch.dtype:
-    """bfloat16 where the CPU has native bf16 math (AVX512-BF16 / AMX) or on CUDA, else float32."""
-    if torch.cuda.is_available() or cpu_info().has_native_bf16:
+def auto_dtype(device: str = "cpu") -> torch.dtype:
+    """bfloat16 on CUDA and where the CPU has native bf16 math (AVX512-BF16 / AMX), else float32."""
+    if device.startswith("cuda") or cpu_info().has_native_bf16:
         return torch.bfloat16
     return torch.float32
 
@@ -115,7 +115,7 @@ def load_model(
     Weights are materialised one by one into a model built on the meta device, so loading never holds
     more than the weights plus the tensor being converted."""
     path, name = resolve_model(model, revision=revision)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     blocks: dict[str, tuple[int, torch.Tensor]] | None = None
     in_place = kernels.quant_types if kernels is not None and device == "cpu" else frozenset()
     if os.path.isdir(path):

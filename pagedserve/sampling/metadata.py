@@ -48,8 +48,10 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], generators: Sequence[torch.Generator | None] | None = None,
-                      vocab_size: int | None = None, token_mask: TokenMask | None = None) -> SamplingMetadata:
-        """vocab_size: the logits' width; banned ids beyond it (the tokenizer may know more) are dropped."""
+                      vocab_size: int | None = None, token_mask: TokenMask | None = None,
+                      device: torch.device | str = "cpu") -> SamplingMetadata:
+        """vocab_size: the logits' width; banned ids beyond it (the tokenizer may know more) are dropped;
+        device: the logits' (the per-row tensors are made there)."""
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         penalties = [
@@ -75,12 +77,13 @@ class SamplingMetadata:
             and all(n is None for n in num_logprobs)
             and all(r.num_output_tokens >= p.min_tokens for r, p in zip(requests, params, strict=True)),
             # Only a step that draws reads these: an all-greedy step (most) builds no tensor at all.
-            greedy=None if all(greedy) else torch.tensor(greedy, dtype=torch.bool),
+            greedy=None if all(greedy) else torch.tensor(greedy, dtype=torch.bool, device=device),
             temperature=None if all(greedy) else torch.tensor(
-                [1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1),
-            top_k=torch.tensor([p.top_k for p in params]) if filters else None,
-            top_p=torch.tensor([p.top_p for p in params]) if filters else None,
-            min_p=torch.tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in sampled) else None,
+                [1.0 if p.greedy else p.temperature for p in params], device=device).unsqueeze(1),
+            top_k=torch.tensor([p.top_k for p in params], device=device) if filters else None,
+            top_p=torch.tensor([p.top_p for p in params], device=device) if filters else None,
+            min_p=torch.tensor([p.min_p for p in params], device=device) if any(p.min_p > 0 for p in sampled)
+            else None,
             generators=list(generators) if generators is not None else [None] * len(params),
             penalties=penalties,
             banned=banned,
@@ -95,14 +98,16 @@ def has_penalty(p) -> bool:
 
 class RequestGenerators:
     """The random generator of each seeded request, made when it is added and kept until it finishes
-    (preemption keeps it: a recomputed request draws on from where it was)."""
+    (preemption keeps it: a recomputed request draws on from where it was). The generators live on the
+    sampler's device (a CUDA generator on the GPU: same seed, same tokens, run after run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self._by_id: dict[str, torch.Generator] = {}
+        self.device = torch.device(device)
 
     def add(self, request_id: str, seed: int | None) -> None:
         if seed is not None:
-            self._by_id[request_id] = torch.Generator().manual_seed(seed)
+            self._by_id[request_id] = torch.Generator(device=self.device).manual_seed(seed)
 
     def for_requests(self, requests: Sequence[Request]) -> list[torch.Generator | None]:
         return [self._by_id.get(r.request_id) for r in requests]

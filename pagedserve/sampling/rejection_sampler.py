@@ -84,9 +84,10 @@ def _verify_random(sampler: Sampler, probs: torch.Tensor, drafts: list[int], gen
     gen = generator or sampler.generator
     out = []
     if drafts:
-        uniforms = torch.rand(len(drafts), generator=gen).tolist()
+        uniforms = torch.rand(len(drafts), generator=gen, device=gen.device).tolist()
         # The rows' own normalisation (a row can sum to 1 only up to rounding).
-        p_draft = (probs[torch.arange(len(drafts)), torch.tensor(drafts)] / probs[: len(drafts)].sum(-1)).tolist()
+        rows = torch.arange(len(drafts), device=probs.device)
+        p_draft = (probs[rows, torch.tensor(drafts, device=probs.device)] / probs[: len(drafts)].sum(-1)).tolist()
         for j, d in enumerate(drafts):
             if uniforms[j] < p_draft[j]:
                 out.append(d)

@@ -28,8 +28,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, kernels: CpuKernels | None = None, batch_invariant: bool = False) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, kernels: CpuKernels | None = None, batch_invariant: bool = False,
+                 device: torch.device | str = "cpu") -> None:
+        # On a GPU every step's draws stay there: the engine's generator and the seeded requests' own.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.kernels = kernels  # pagedserve's C++ CPU kernels (argmax_rows), or None
         self.batch_invariant = batch_invariant
 
@@ -90,12 +92,12 @@ class Sampler:
         logits = logits.clone()
         vocab = logits.shape[1]
         for p in penalties:  # only requests that asked for penalties pay for this
-            out_ids = torch.tensor(p.output_token_ids, dtype=torch.long)
+            out_ids = torch.tensor(p.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(out_ids, minlength=vocab)[:vocab].float()
             row = logits[p.row]
             if p.repetition != 1.0:
                 seen = counts > 0
-                seen[torch.tensor(p.prompt_token_ids, dtype=torch.long)] = True
+                seen[torch.tensor(p.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
                 penalised = torch.where(row > 0, row / p.repetition, row * p.repetition)
                 row = torch.where(seen, penalised, row)
             row = row - p.frequency * counts - p.presence * (counts > 0).float()
@@ -110,7 +112,7 @@ class Sampler:
             vocab = logits.shape[1]
             keep = torch.ones_like(sorted_logits, dtype=torch.bool)
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-            keep &= torch.arange(vocab).unsqueeze(0) < k.unsqueeze(1)
+            keep &= torch.arange(vocab, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
             probs = self._softmax(sorted_logits.masked_fill(~keep, float("-inf")))
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             mass_before = self._rows(lambda r: r.cumsum(dim=-1), probs) - probs

@@ -127,6 +127,7 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Te
         kernels.apply_token_bitmask(logits, bitmask, rows)
         return
     vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32)
+    rows, bitmask = rows.to(logits.device), bitmask.to(logits.device)  # filled on the host
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

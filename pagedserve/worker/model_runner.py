@@ -37,12 +37,15 @@ class ModelRunner:
         self.kv_caches = kv_caches
         # Strict batch invariance: every attention row through the fixed-order C++ kernel.
         self.backend = get_backend("batch_invariant" if config.batch_invariant else config.attention_backend)
-        self.sampler = Sampler(config.seed, batch_invariant=config.batch_invariant)
+        self.sampler = Sampler(config.seed, batch_invariant=config.batch_invariant, device=config.device)
         self.block_size = config.block_size
         # Optional observer of every step's logits: f(request ids, float32 logits [rows, vocab]) (tests of
         # batch invariance compare a request's logits across batches with it).
         self.on_logits = None
         self.device = config.device
+        if hasattr(self.backend, "check_device"):
+            self.backend.check_device(config.device)
+        self.graphs = None  # DecodeGraphs once enable_decode_graphs ran (CUDA graphs of decode steps)
         self.set_kernels(CpuKernels.from_config(config))
         if config.batch_invariant:
             if self.kernels is None:
@@ -66,6 +69,20 @@ class ModelRunner:
                 logger.info("batch-invariant mode: every matmul and attention row on the fixed-order C++ kernels")
             if few & {Route.GGUF_ROWS, Route.GGUF_R16}:
                 logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
+
+    def enable_decode_graphs(self, sizes: tuple[int, ...], max_blocks: int, capture=None) -> None:
+        """Capture the model's decode steps at these batch sizes (worker/cuda_graph.py); `capture`: CUDA's by
+        default (tests pass the eager stand-in). Needs the Triton backend (its kernels read every length
+        from device tensors)."""
+        from pagedserve.worker.cuda_graph import DecodeGraphs
+
+        if self.backend.name != "triton":
+            raise ValueError("cuda graphs: decode graphs need attention_backend='triton'")
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, sizes, max_blocks, self.block_size,
+                              self.device, capture)
+        with torch.inference_mode():
+            graphs.capture_all()
+        self.graphs = graphs
 
     def set_kernels(self, kernels: CpuKernels | None) -> None:
         """Hand the one kernels object to everything that may use it: model, attention, sampler."""
@@ -142,6 +159,8 @@ class ModelRunner:
     def forward(self, inputs) -> torch.Tensor:
         """The model on prepared inputs (prepare_inputs'): the float32 logits of the sampled rows. Tensor-
         parallel ranks other than 0 run only this, on the inputs rank 0 broadcast."""
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
         input_ids, positions, meta, logits_indices = inputs
         return self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices)
 
