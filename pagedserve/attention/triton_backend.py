@@ -22,7 +22,7 @@ from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 
 def _kernels():
     try:
-        from pagedserve.attention import triton_kernels
+        import pagedserve.attention.triton_kernels as triton_kernels
     except ImportError as e:  # no triton in this environment
         raise ValueError(f"attention_backend: 'triton' needs the triton package ({e})") from e
     return triton_kernels
