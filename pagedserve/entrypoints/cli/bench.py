@@ -24,11 +24,31 @@ def random_prompts(num: int, input_len: int, seed: int, low: int = 1000, high: i
     return torch.randint(low, high, (num, input_len), generator=g).tolist()
 
 
-def machine_info() -> dict:
+def machine_info(device: str | None = None) -> dict:
+    """The CPU, and with device="cuda" the GPU too (its name, CUDA and Triton versions)."""
     info = cpu_info()
     flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in info.flags]
-    return {"cpu": info.model_name, "cpu_flags": flags, "cores": len(os.sched_getaffinity(0)),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    out = {"cpu": info.model_name, "cpu_flags": flags, "cores": len(os.sched_getaffinity(0)),
+           "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    if device is not None:
+        out["device"] = device
+    if device == "cuda" and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["gpu_count"] = torch.cuda.device_count()
+        out["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            out["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return out
+
+
+def _sync(device: str) -> None:
+    """Wait for the device's queued work, so a host clock read after it times that work (no-op on CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _load_prompts(args, seed: int) -> list:
@@ -81,10 +101,12 @@ def run_throughput(args, config) -> dict:
         "enable_prefix_caching": llm.engine.config.enable_prefix_caching,
         "computed_prefill_tokens": after.num_computed_prefill_tokens - before.num_computed_prefill_tokens,
         "prefix_cache_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
-        "num_preemptions": after.num_preemptions - before.num_preemptions, "machine": machine_info(),
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "machine": machine_info(llm.engine.config.device),
     }
     if args.compare_hf:
-        hf = run_hf_generate(llm.engine.model_path, _hf_dtype(args, llm.engine.dtype), prompts, args.output_len)
+        hf = run_hf_generate(llm.engine.model_path, _hf_dtype(args, llm.engine.dtype), prompts, args.output_len,
+                             device=llm.engine.config.device)
         result["hf"] = hf
         result["output_tokens_per_s_ratio_vs_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
     return result
@@ -168,15 +190,16 @@ def run_structured(args, config) -> dict:
         "mask_wait_ms_per_step": 1e3 * wait_s / max(len(masked), 1),
         "mask_share_of_step_time": mask_s / step_s if step_s else 0.0,
         "mask_wait_share_of_step_time": wait_s / step_s if step_s else 0.0,
-        "machine": machine_info(),
+        "machine": machine_info(engine.config.device),
     }
 
 
-def run_hf_generate(model_path: str, dtype: torch.dtype, prompts: list, output_len: int) -> dict:
-    """HF transformers `generate` as a static batch over the same prompts, same dtype, greedy."""
+def run_hf_generate(model_path: str, dtype: torch.dtype, prompts: list, output_len: int,
+                    device: str = "cpu") -> dict:
+    """HF transformers `generate` as a static batch over the same prompts, same dtype, greedy, on `device`."""
     from transformers import AutoTokenizer
 
-    model = _hf_model(model_path, dtype)
+    model = _hf_model(model_path, dtype, device)
     if isinstance(prompts[0], str):
         if os.path.isdir(model_path):
             tok = AutoTokenizer.from_pretrained(model_path)
@@ -186,17 +209,19 @@ def run_hf_generate(model_path: str, dtype: torch.dtype, prompts: list, output_l
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError("compare-hf: prompts must have one length (static batch without padding)")
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=device)
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   attention_mask=torch.ones_like(ids), pad_token_id=0)
     with torch.inference_mode():
         model.generate(ids[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        _sync(device)
         start = time.perf_counter()
         out = model.generate(ids, **kwargs)
+        _sync(device)
         elapsed = time.perf_counter() - start
     new_tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
     return {"engine": f"transformers {__import__('transformers').__version__} generate",
-            "dtype": str(dtype).removeprefix("torch."), "elapsed_s": elapsed,
+            "dtype": str(dtype).removeprefix("torch."), "device": device, "elapsed_s": elapsed,
             "output_tokens_per_s": new_tokens / elapsed,
             "total_tokens_per_s": (new_tokens + ids.numel()) / elapsed}
 
@@ -282,7 +307,7 @@ def run_latency(args, config) -> dict:
         "output_len": args.output_len, "num_iters": len(prompts) - 1, "temperature": args.temperature,
         "prompts_file": getattr(args, "prompts_file", None),
         "speculative_config": engine.speculative_config.to_dict() if engine.speculative_config else None,
-        "machine": machine_info(),
+        "machine": machine_info(engine.config.device),
     }
     if compare:
         spec, plain = summary(*runs["spec"]), summary(*runs["plain"])
@@ -298,31 +323,36 @@ def run_latency(args, config) -> dict:
     else:
         result.update(summary(*runs["run"]))
     if args.compare_hf:
-        hf = run_hf_latency(engine.model_path, _hf_dtype(args, engine.dtype), prompts[1:], args.output_len)
+        hf = run_hf_latency(engine.model_path, _hf_dtype(args, engine.dtype), prompts[1:], args.output_len,
+                            device=engine.config.device)
         result["hf"] = hf
         result["decode_tokens_per_s_ratio_vs_hf"] = result["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
     return result
 
 
-def run_hf_latency(model_path: str, dtype: torch.dtype, prompts: list, output_len: int) -> dict:
-    """HF transformers `generate`, one prompt at a time: TTFT (1 new token) and the decode rate."""
-    model = _hf_model(model_path, dtype)
+def run_hf_latency(model_path: str, dtype: torch.dtype, prompts: list, output_len: int,
+                   device: str = "cpu") -> dict:
+    """HF transformers `generate`, one prompt at a time on `device`: TTFT (1 new token) and the decode rate."""
+    model = _hf_model(model_path, dtype, device)
     ttfts, tpots = [], []
     kwargs = dict(do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, **kwargs)  # warm-up
+        model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2, **kwargs)  # warm-up
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
+            _sync(device)
             start = time.perf_counter()
             model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            _sync(device)
             ttft = time.perf_counter() - start
             start = time.perf_counter()
             model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+            _sync(device)
             total = time.perf_counter() - start
             ttfts.append(ttft)
             tpots.append((total - ttft) / max(output_len - 1, 1))
     return {"engine": f"transformers {__import__('transformers').__version__} generate",
-            "dtype": str(dtype).removeprefix("torch."), "ttft_s_mean": statistics.mean(ttfts),
+            "dtype": str(dtype).removeprefix("torch."), "device": device, "ttft_s_mean": statistics.mean(ttfts),
             "tpot_s_mean": statistics.mean(tpots), "decode_tokens_per_s": 1.0 / statistics.mean(tpots)}
 
 
@@ -334,13 +364,16 @@ def _hf_dtype(args, engine_dtype: torch.dtype) -> torch.dtype:
     return engine_dtype if choice == "same" else resolve_dtype(choice)
 
 
-def _hf_model(model_path: str, dtype: torch.dtype):
+def _hf_model(model_path: str, dtype: torch.dtype, device: str = "cpu"):
+    """The HF transformers model, loaded on the CPU (a GGUF is dequantized there) and moved to `device`."""
     from transformers import AutoModelForCausalLM
 
     if os.path.isdir(model_path):
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-    d, f = os.path.split(model_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    else:
+        d, f = os.path.split(model_path)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
+    return (model.to(device) if device != "cpu" else model).eval()
 
 
 # ---- serve ---------------------------------------------------------------------------------------
