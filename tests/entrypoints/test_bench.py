@@ -32,6 +32,10 @@ def test_bench_throughput_json(tmp_path):
     assert r["output_tokens_per_s"] == pytest.approx(8 * r["requests_per_s"], rel=1e-6)
     assert r["total_tokens_per_s"] == pytest.approx(24 * r["requests_per_s"], rel=1e-6)
     assert r["computed_prefill_tokens"] == 8 * 16 and r["machine"]["cores"] >= 1
+    # Against this machine's GEMM roofline: the run's FLOPs at the measured rate over its time.
+    roof = r["roofline"]
+    assert roof["bound"] == "float32 GEMM" and roof["share"] == pytest.approx(
+        roof["total_gflop"] / roof["gemm_gflops"] / r["elapsed_s"])
 
 
 def test_bench_latency_json(tmp_path):
@@ -43,6 +47,9 @@ def test_bench_latency_json(tmp_path):
     assert r["mode"] == "latency" and r["num_iters"] == 2
     assert 0 < r["ttft_s_mean"] < r["e2e_s_mean"] and r["tpot_s_mean"] > 0
     assert r["decode_tokens_per_s"] == pytest.approx(1 / r["tpot_s_mean"])
+    roof = r["roofline"]  # single-stream decode: bound by the bytes a step reads
+    assert roof["bound"] == "memory read" and roof["share"] == pytest.approx(
+        r["decode_tokens_per_s"] / roof["limit_decode_tokens_per_s"])
 
 
 def test_bench_latency_compare_hf_in_another_dtype(tmp_path, hf_gguf_parse_once):

@@ -2,7 +2,8 @@
 # Builds llama.cpp's llama-bench, llama-completion and llama-simple as a *benchmark-only peer* (never a pagedserve
 # dependency). Source: the llama.cpp vendored in the llama-cpp-python 0.3.36 sdist (so the same llama.cpp
 # as benchmarks/peers/llama_cpp_w2.py). Idempotent: re-running only rebuilds what is missing.
-# Output: benchmarks/peers/llama_cpp/build/bin/{llama-bench,llama-completion,llama-simple} (gitignored).
+# Output: benchmarks/peers/llama_cpp/build/bin/{llama-bench,llama-completion,llama-simple,llama-batched-bench,
+# llama-quantize} (gitignored).
 # (In this llama.cpp, llama-cli is the chat UI built on the server, so the non-interactive one-shot tool is
 # llama-completion; the server is not built.)
 set -eu
@@ -30,10 +31,17 @@ if ! command -v cmake >/dev/null 2>&1; then
     CMAKE="$HERE/../cmake-venv/bin/cmake"
 fi
 
+# GGML_NATIVE builds for this CPU: a build made on another CPU (these machines change) starts afresh.
+STAMP=$(grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-16)
+if [ -f "$BUILD/CMakeCache.txt" ] && [ "$(cat "$BUILD/cpu-stamp" 2>/dev/null)" != "$STAMP" ]; then
+    rm -rf "$BUILD"
+fi
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
     "$CMAKE" -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
 fi
-"$CMAKE" --build "$BUILD" -j"${JOBS:-2}" --target llama-bench llama-completion llama-simple
+"$CMAKE" --build "$BUILD" -j"${JOBS:-2}" --target llama-bench llama-completion llama-simple llama-batched-bench \
+    llama-quantize
+echo "$STAMP" > "$BUILD/cpu-stamp"
 ls -l "$BUILD/bin"

@@ -10,12 +10,14 @@ import json
 import os
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from pagedserve.config import MODEL_DTYPES
 from pagedserve.entrypoints.cli.args import add_engine_args, engine_config_from_args
+from pagedserve.entrypoints.cli.roofline import add_roofline
 from pagedserve.kernels import cpu_info
 
 
@@ -109,6 +111,8 @@ def run_throughput(args, config) -> dict:
                              device=llm.engine.config.device)
         result["hf"] = hf
         result["output_tokens_per_s_ratio_vs_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    if not args.prompts_file:  # the roofline's FLOP count needs the prompts' length
+        add_roofline(result, llm.engine, "throughput", len(outs), args.input_len, args.output_len)
     return result
 
 
@@ -327,7 +331,54 @@ def run_latency(args, config) -> dict:
                             device=engine.config.device)
         result["hf"] = hf
         result["decode_tokens_per_s_ratio_vs_hf"] = result["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+    if not args.prompts_file and "decode_tokens_per_s" in result:
+        add_roofline(result, engine, "latency", 1, args.input_len, args.output_len)
     return result
+
+
+# ---- roofline ------------------------------------------------------------------------------------
+# The standard workloads of benchmarks/README.md: (bench mode, prompts, input length, output length).
+STANDARD_WORKLOADS = {"W1": ("throughput", 128, 128, 128), "W2": ("latency", 1, 32, 256),
+                      "W3": ("throughput", 16, 1024, 1)}
+
+
+def run_roofline(args, config) -> dict:
+    """Measure this machine's limits; the standard workloads' limits on this model; and, for each bench
+    JSON given, its figure as a share of its limit."""
+    from pagedserve.engine.engine import LLMEngine
+    from pagedserve.entrypoints.cli import roofline as rl
+
+    engine = LLMEngine(config)
+    roof = rl.measure()
+    rl.save(roof)
+    limits = {name: rl.workload_limit(engine, *w, roof) for name, w in STANDARD_WORKLOADS.items()}
+    runs = []
+    for path in args.results or []:
+        r = json.loads(Path(path).read_text())
+        mode = r.get("mode")
+        if mode not in ("throughput", "latency"):
+            raise ValueError(f"results: {path} is not a `bench throughput` or `bench latency` JSON")
+        n = r.get("num_prompts", 1) if mode == "throughput" else 1
+        limit = rl.workload_limit(engine, mode, n, r["input_len"], r["output_len"], roof)
+        runs.append({"file": path, "mode": mode, "num_prompts": n, "input_len": r["input_len"],
+                     "output_len": r["output_len"], **rl.share_of_limit(r, limit),
+                     "figure": r.get("decode_tokens_per_s") if mode == "latency" else r.get("output_tokens_per_s")
+                     if r["output_len"] > 1 else r.get("prompt_tokens_per_s")})
+    if not args.quiet:
+        print(f"{roof.cpu} ({', '.join(roof.flags)}), {roof.threads} threads: GEMM "
+              + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roof.gemm_gflops.items())
+              + f"; memory read {roof.read_gb_s:.1f} GB/s")
+        for name, lim in limits.items():
+            if "limit_decode_tokens_per_s" in lim:
+                print(f"  {name}: {lim['limit_decode_tokens_per_s']:.0f} decode tok/s at most "
+                      f"({lim['bytes_per_token'] / 1e6:.1f} MB read per token)")
+            else:
+                print(f"  {name}: {lim['limit_output_tokens_per_s']:.0f} output tok/s, "
+                      f"{lim['limit_prompt_tokens_per_s']:.0f} prompt tok/s at most ({lim['total_gflop']:.0f} GFLOP)")
+        for run in runs:
+            print(f"  {run['file']}: {run['figure']:.1f} tok/s = {100 * run['share']:.0f}% of its {run['bound']} limit")
+    return {"mode": "roofline", "model": engine.served_model_name, "dtype": str(engine.dtype).removeprefix("torch."),
+            "machine": {**asdict(roof)}, "workloads": limits, "runs": runs}
 
 
 def run_hf_latency(model_path: str, dtype: torch.dtype, prompts: list, output_len: int,
@@ -510,9 +561,9 @@ def run_serve(args) -> dict:
 
 # ---- CLI -----------------------------------------------------------------------------------------
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, roofline")
     modes = p.add_subparsers(dest="mode", required=True)
-    for mode in ("throughput", "latency", "serve"):
+    for mode in ("throughput", "latency", "serve", "roofline"):
         m = modes.add_parser(mode)
         m.add_argument("--input-len", type=int, default=128)
         m.add_argument("--output-len", type=int, default=128)
@@ -543,6 +594,9 @@ def register(sub) -> None:
             m.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate")
             m.add_argument("--hf-dtype", default="same", choices=["same", *MODEL_DTYPES[1:]],
                            help="dtype of the HF run (default: the engine's)")
+        if mode == "roofline":
+            m.add_argument("--results", nargs="*", default=None, metavar="JSON",
+                           help="bench throughput / latency JSON files to put against their limits")
         if mode == "serve":
             m.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
             m.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -564,6 +618,8 @@ def register(sub) -> None:
                 config = engine_config_from_args(args)
                 if mode == "throughput" and args.structured:
                     result = run_structured(args, config)
+                elif mode == "roofline":
+                    result = run_roofline(args, config)
                 else:
                     result = (run_throughput if mode == "throughput" else run_latency)(args, config)
             _write_json(args, result)

