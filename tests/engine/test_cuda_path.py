@@ -50,11 +50,11 @@ def tiny_dir(tmp_path_factory, bundled_path):
 def reference(tiny_dir):
     llm = LLM(tiny_dir, dtype="float32", attention_backend="torch_ref", num_kv_blocks=64, max_num_seqs=8)
     prompts = _prompts(6, 1000)
-    return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)], llm
 
 
 def test_triton_backend_engine_equals_reference(tiny_dir, reference):
-    prompts, expected = reference
+    prompts, expected, _ = reference
     llm = LLM(tiny_dir, **CUDA_LIKE)
     assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.kernels is None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
@@ -63,7 +63,7 @@ def test_triton_backend_engine_equals_reference(tiny_dir, reference):
 def test_decode_graphs_equal_eager_steps(tiny_dir, reference):
     """Graphs at sizes 1, 2 and 4 with the eager stand-in: 6 prompts decode as batches of 6 (no graph: too
     big), then fewer as they finish; max_tokens differ so batches of 5, 3 and 1 get padded."""
-    prompts, expected = reference
+    prompts, expected, ref = reference
     llm = LLM(tiny_dir, **CUDA_LIKE)
     runner = llm.engine.runner
     runner.enable_decode_graphs((1, 2, 4), max_blocks=8, capture=eager_capture)
@@ -81,7 +81,6 @@ def test_decode_graphs_equal_eager_steps(tiny_dir, reference):
     # A prompt longer than the graphs' block tables: its decode steps run eagerly, with the same tokens.
     long = {"prompt_token_ids": list(range(1, 140))}  # 139 tokens + 8 > 8 blocks of 16
     replays = runner.graphs.replays
-    ref = LLM(tiny_dir, dtype="float32", attention_backend="torch_ref", num_kv_blocks=64, max_num_seqs=8)
     assert (llm.generate([long], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
             == ref.generate([long], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
     assert runner.graphs.replays == replays
@@ -180,11 +179,11 @@ def test_cpu_without_the_interpreter_refuses_triton(monkeypatch):
 def test_seeded_sampling_is_reproducible_on_the_backend(tiny_dir):
     """Per-request generators live on the sampler's device: the same seed gives the same tokens on a second
     run (another seed, other tokens)."""
-    prompts = _prompts(3, 1000)
+    prompts = _prompts(2, 1000)
     llm = LLM(tiny_dir, **CUDA_LIKE)
 
     def run(seed):
-        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=seed, ignore_eos=True)
+        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, seed=seed, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     first = run(11)
