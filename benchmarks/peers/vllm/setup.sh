@@ -30,4 +30,12 @@ plain.save_pretrained(sys.argv[1])
 tok.save_pretrained(sys.argv[1])
 PY
 fi
+# transformers keeps the GGUF origin as a quantization_config; the weights saved are plain: vLLM must not
+# look for a GGUF quantization.
+"$ROOT/.venv/bin/python" - "$MODEL/config.json" <<'PY'
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+if cfg.pop("quantization_config", None) is not None:
+    json.dump(cfg, open(sys.argv[1], "w"), indent=2)
+PY
 echo "$VENV/bin/python"
