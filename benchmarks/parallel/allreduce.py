@@ -28,7 +28,7 @@ def _rank(rank: int, size: int, port: int, hidden: int, queue) -> None:
     for tokens in SHAPES:
         x = torch.randn(tokens, hidden)
         times = []
-        for i in range(60):
+        for _ in range(60):
             dist.barrier()
             t = time.perf_counter()
             dist.all_reduce(x)
