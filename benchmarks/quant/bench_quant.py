@@ -15,13 +15,13 @@ import argparse
 import json
 import platform
 import subprocess
-import time
 from functools import partial
 
 import gguf
 import numpy as np
 import torch
 
+from pagedserve.entrypoints.cli.roofline import best_of as best
 from pagedserve.kernels import CpuKernels
 
 Q = gguf.GGMLQuantizationType
@@ -38,16 +38,6 @@ def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> torch.T
         raw[:, :, off:off + 2] = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(
             n, nb, 2)
     return torch.from_numpy(raw.reshape(n, nb * block_bytes))
-
-
-def best(fn, reps: int) -> float:
-    fn()
-    t_best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        t_best = min(t_best, time.perf_counter() - t)
-    return t_best
 
 
 def cpu_model() -> str:

@@ -43,8 +43,9 @@ class Roofline:
         return f"{self.cpu}|{','.join(self.flags)}|{self.threads}"
 
 
-def _best_of(fn, repeats: int) -> float:
-    fn()  # warm-up (thread pools, oneDNN primitives)
+def best_of(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn, after one warm-up call (thread pools, oneDNN primitives)."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -58,14 +59,14 @@ def measure_gemm(dtype: torch.dtype, k: int = 1024, n: int = 2048, rows: int = G
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
-    secs = _best_of(lambda: torch.nn.functional.linear(x, w), repeats)
+    secs = best_of(lambda: torch.nn.functional.linear(x, w), repeats)
     return 2.0 * rows * k * n / secs / 1e9
 
 
 def measure_read_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> float:
     """GB/s of reading a float32 buffer (a sum: one read per element, nothing written)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    secs = _best_of(lambda: buf.sum(), repeats)
+    secs = best_of(lambda: buf.sum(), repeats)
     return nbytes / secs / 1e9
 
 
