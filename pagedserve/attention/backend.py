@@ -76,6 +76,9 @@ class AttentionBackend:
         so a fused whole-model kernel that calls it (DecodeStack) computes what this backend would."""
         return False
 
+    def check_device(self, device: torch.device | str) -> None:
+        """A ValueError unless this backend can run for tensors on `device` (called once, at start-up)."""
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before the first layer: build whatever index tensors are reused."""
 

@@ -41,11 +41,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError("attention_backend: 'triton' runs on a CUDA GPU; on the CPU only through Triton's "
                              "interpreter (TRITON_INTERPRET=1 set before start), which is for tests")
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Nothing up front: the tiles depend on the heads, known at the first layer (see _tiles)."""
-
     def _tiles(self, meta: AttentionMetadata, group: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """[(tile sequence ids, tile first query tokens, query tokens per tile)] for this step, per launch."""
+        """[(tile sequence ids, tile first query tokens, query tokens per tile)] for this step, per launch;
+        built at the first layer (they depend on the heads), not in `prepare`."""
         static = meta.prepared.get("static_tiles")
         if static is not None:
             return static

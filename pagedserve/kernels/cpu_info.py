@@ -27,6 +27,11 @@ class CpuInfo:
         return "amx_bf16" in self.flags
 
     @property
+    def speed_flags(self) -> list[str]:
+        """The flags that decide which kernels run (what benchmark results quote with the CPU model)."""
+        return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in self.flags]
+
+    @property
     def flags_text(self) -> str:
         return " ".join(sorted(self.flags))
 

@@ -68,9 +68,8 @@ class DecodeGraphs:
         self.sizes = tuple(sorted(sizes))
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self.device = torch.device(device)
         n = self.sizes[-1]
-        dev = self.device
+        dev = torch.device(device)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)

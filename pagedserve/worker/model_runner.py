@@ -43,8 +43,7 @@ class ModelRunner:
         # batch invariance compare a request's logits across batches with it).
         self.on_logits = None
         self.device = config.device
-        if hasattr(self.backend, "check_device"):
-            self.backend.check_device(config.device)
+        self.backend.check_device(config.device)
         self.graphs = None  # DecodeGraphs once enable_decode_graphs ran (CUDA graphs of decode steps)
         self.set_kernels(CpuKernels.from_config(config))
         if config.batch_invariant:

@@ -29,8 +29,7 @@ def random_prompts(num: int, input_len: int, seed: int, low: int = 1000, high: i
 def machine_info(device: str | None = None) -> dict:
     """The CPU, and with device="cuda" the GPU too (its name, CUDA and Triton versions)."""
     info = cpu_info()
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in info.flags]
-    out = {"cpu": info.model_name, "cpu_flags": flags, "cores": len(os.sched_getaffinity(0)),
+    out = {"cpu": info.model_name, "cpu_flags": info.speed_flags, "cores": len(os.sched_getaffinity(0)),
            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     if device is not None:
         out["device"] = device
@@ -378,7 +377,7 @@ def run_roofline(args, config) -> dict:
         for run in runs:
             print(f"  {run['file']}: {run['figure']:.1f} tok/s = {100 * run['share']:.0f}% of its {run['bound']} limit")
     return {"mode": "roofline", "model": engine.served_model_name, "dtype": str(engine.dtype).removeprefix("torch."),
-            "machine": {**asdict(roof)}, "workloads": limits, "runs": runs}
+            "machine": asdict(roof), "workloads": limits, "runs": runs}
 
 
 def run_hf_latency(model_path: str, dtype: torch.dtype, prompts: list, output_len: int,

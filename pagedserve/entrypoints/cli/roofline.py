@@ -74,9 +74,8 @@ def measure(threads: int | None = None) -> Roofline:
     if threads is not None:
         torch.set_num_threads(threads)
     info = cpu_info()
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in info.flags]
     gemm = {name: measure_gemm(dt) for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
-    return Roofline(info.model_name, flags, torch.get_num_threads(), gemm, measure_read_bandwidth())
+    return Roofline(info.model_name, info.speed_flags, torch.get_num_threads(), gemm, measure_read_bandwidth())
 
 
 def _cache_file():
@@ -97,8 +96,7 @@ def save(roof: Roofline) -> None:
 def cached_or_measure() -> Roofline:
     """This machine's limits at the current thread count: from the cache, else measured (and kept)."""
     info = cpu_info()
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in info.flags]
-    probe = Roofline(info.model_name, flags, torch.get_num_threads(), {}, 0.0)
+    probe = Roofline(info.model_name, info.speed_flags, torch.get_num_threads(), {}, 0.0)
     try:
         known = json.loads(_cache_file().read_text())
         if probe.key() in known:
