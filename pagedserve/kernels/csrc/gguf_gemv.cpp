@@ -22,7 +22,7 @@ inline int64_t gguf_block_bytes(int64_t type) { return gguf_layout(type).block_b
 namespace {
 
 constexpr int64_t kMaxRows = 4;
-constexpr int64_t kPrefetchRows = 2;
+constexpr int64_t kGgufPrefetchRows = 2;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -62,7 +62,7 @@ void gemv_rows(const float* x, int64_t K, const uint8_t* blocks, int64_t row_byt
   const int64_t nb = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = blocks + n * row_bytes;
-    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes);
+    const char* ahead = reinterpret_cast<const char*>(row + kGgufPrefetchRows * row_bytes);
     for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
