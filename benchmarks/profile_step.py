@@ -20,8 +20,9 @@ from pagedserve.engine.engine import LLMEngine
 from pagedserve.entrypoints.cli.bench import random_prompts
 from pagedserve.sampling_params import SamplingParams
 
-KERNELS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_write_kv", "silu_and_mul",
-           "argmax_rows", "gemv_bf16", "gemv_gguf", "gemv_gguf_r16")
+KERNELS = ("paged_decode_attention", "paged_attention_rows", "rms_norm", "fused_add_rms_norm", "rotary_write_kv",
+           "silu_and_mul", "argmax_rows", "gemv_bf16", "gemv_gguf", "gemv_gguf_r16", "quant_linear", "fixed_linear",
+           "quant_embedding")
 
 
 def _named(fn, name):
@@ -89,6 +90,26 @@ def profile_decode(engine: LLMEngine, batch: int, input_len: int, out) -> None:
     engine.abort_all()
 
 
+def profile_prefill(engine: LLMEngine, num: int, input_len: int, out) -> None:
+    """One full prefill step of W3 (16 prompts of 1,024 tokens: the step takes max_num_batched_tokens)."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
+    for i, p in enumerate(random_prompts(num, input_len, 1)):
+        engine.add_request(f"warm-{i}", {"prompt_token_ids": p}, params)
+    engine.step()  # warm-up: one step of the same shape
+    engine.abort_all()
+    for i, p in enumerate(random_prompts(num, input_len, 0)):
+        engine.add_request(f"w3-{i}", {"prompt_token_ids": p}, params)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    step_s = time.perf_counter() - start
+    tokens = engine.step_records[-1].num_scheduled_tokens
+    out.write(f"\n== prefill step, {num} prompts of {input_len} ({tokens} tokens scheduled): "
+              f"{step_s * 1000:.1f} ms/step (profiled) ==\n")
+    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
+    engine.abort_all()
+
+
 def main() -> None:
     engine = LLMEngine(EngineConfig(dtype=sys.argv[2] if len(sys.argv) > 2 else "auto"))
     trace_kernels(engine)
@@ -97,6 +118,7 @@ def main() -> None:
         out.write(f"dtype {engine.dtype}; attention decode path: {path}\n")
         profile_decode(engine, 128, 128, out)  # W1
         profile_decode(engine, 1, 32, out)  # W2
+        profile_prefill(engine, 16, 1024, out)  # W3
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ class CpuKernels:
     fixed_matmuls: bool = False
     # ggml type ids whose GGUF blocks quant_linear / quant_embedding read in place (every build).
     quant_types: frozenset[int] = frozenset()
+    # quant_linear_bf16: bf16 activations against the blocks' weights rounded to bf16 (AVX512-BF16 builds).
+    quant_bf16: bool = False
 
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
@@ -57,6 +59,7 @@ class CpuKernels:
             decode_stack=decode_stack,
             fixed_matmuls=(not ext.has_avx512()) if fixed_matmuls is None else fixed_matmuls,
             quant_types=frozenset(ext.quant_types()),
+            quant_bf16=ext.has_quant_bf16(),
         )
 
     @classmethod
@@ -121,6 +124,11 @@ class CpuKernels:
         """x [M, K] (float32/bf16) @ W.T (+ bias), W the [n, K] float32 matrix gguf-py dequantizes: the same
         bits as fixed_linear over that W, at every M and thread count (batch-invariant)."""
         return self.ext.quant_linear(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
+
+    def quant_linear_bf16(self, x, packed, type_id: int, n: int, bias, out_dtype):
+        """bf16 x [M, K] @ Wb.T (+ bias), Wb the dequantized weight rounded to bf16 (as a bf16 model holds it):
+        one AVX512-BF16 pair-dot chain per output, the same bits whatever M (needs `quant_bf16`)."""
+        return self.ext.quant_linear_bf16(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
 
     def quant_embedding(self, ids, packed, type_id: int, k: int, out_dtype):
         """Rows `ids` (int64, any shape) of the dequantized [N, k] weight -> [*ids.shape, k] in out_dtype."""

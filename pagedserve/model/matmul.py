@@ -81,6 +81,7 @@ class Route(enum.IntEnum):
     FIXED = 5  # the batch-invariant C++ matmul (csrc/fixed_gemm.cpp) over its packed weight
     LINEAR_F32 = 6  # F.linear in float32 over a float32 copy of a bf16 weight (a bf16 LM head, many rows)
     QUANT = 7  # GGUF quantized blocks read in place at every row count (csrc/quant_gemm.cpp)
+    QUANT_BF16 = 8  # the same blocks as bf16 weights against bf16 activations (AVX512-BF16: quant_linear_bf16)
 
 
 @dataclass(slots=True)
@@ -225,7 +226,10 @@ class MatmulRoutes:
         if self.quant is not None:  # the blocks, at every row count (batch-invariant by construction)
             if kernels is None:
                 raise ValueError("model: quantized weights read in place need the C++ kernels")
-            self.few_rows = self.many_rows = Route.QUANT
+            # A bf16 model computes with bf16 weights (the blocks' values rounded, as a dequantized bf16 model
+            # holds them), on AVX512-BF16's pair dot products; elsewhere with the exact float32 weights.
+            bf16 = weight.dtype == torch.bfloat16 and kernels.quant_bf16
+            self.few_rows = self.many_rows = Route.QUANT_BF16 if bf16 else Route.QUANT
             return
         bf16 = weight.dtype == torch.bfloat16
         if batch_invariant and kernels is None:
@@ -261,8 +265,8 @@ class MatmulRoutes:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
-        if route == Route.QUANT:
-            return self._quant(x, bias)
+        if route in (Route.QUANT, Route.QUANT_BF16):
+            return self._quant(x, bias, route == Route.QUANT_BF16)
         if route == Route.FIXED:
             out_dtype = torch.float32 if self.float32_out else x.dtype
             return self.kernels.fixed_linear(x, self.fixed, weight.shape[0], bias, out_dtype)
@@ -280,16 +284,19 @@ class MatmulRoutes:
         # with float32_out (only plain, never-set-up routes reach this with bf16 and upcast).
         return y.float() if self.float32_out else y
 
-    def _quant(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _quant(self, x: torch.Tensor, bias: torch.Tensor | None, bf16: bool = False) -> torch.Tensor:
         out_dtype = torch.float32 if self.float32_out else x.dtype
         k = self.kernels
+        fn = k.quant_linear_bf16 if bf16 else k.quant_linear
+        if bf16:
+            x = x.to(torch.bfloat16)
         if len(self.quant) == 1:
             p = self.quant[0]
-            return k.quant_linear(x, p.packed, p.type_id, p.n, bias, out_dtype)
+            return fn(x, p.packed, p.type_id, p.n, bias, out_dtype)
         outs, start = [], 0
         for p in self.quant:
             b = None if bias is None else bias[start : start + p.n]
-            outs.append(k.quant_linear(x, p.packed, p.type_id, p.n, b, out_dtype))
+            outs.append(fn(x, p.packed, p.type_id, p.n, b, out_dtype))
             start += p.n
         return torch.cat(outs, dim=-1)
 
@@ -304,7 +311,7 @@ class MatmulRoutes:
         if self.float32_out:
             raise ValueError("decode_spec: a float32-out matmul (the LM head) is not part of DecodeStack")
         route = Route.LINEAR if self.few_rows == Route.PACKED else self.few_rows
-        if route == Route.QUANT:
+        if route in (Route.QUANT, Route.QUANT_BF16):
             if not self.stackable:
                 raise ValueError("decode_spec: a quantized matmul of several block types is not part of DecodeStack")
             p = self.quant[0]

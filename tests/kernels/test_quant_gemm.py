@@ -146,6 +146,56 @@ def test_thread_count_and_strided_rows_do_not_change_bits(kernels, threads, qtyp
                                                          torch.float32))
 
 
+# ---- bf16 weights: quant_linear_bf16 (AVX512-BF16 builds) -------------------------------------------------
+
+needs_bf16 = pytest.mark.skipif("not __import__('pagedserve.kernels', fromlist=['x']).load_extension('native')"
+                                ".has_quant_bf16()", reason="quant_linear_bf16 needs an AVX512-BF16 build")
+
+
+@needs_bf16
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernels, threads, qtype):
+    """quant_linear_bf16 multiplies bf16 x by gguf-py's weights rounded to nearest-even bf16 (what a bf16
+    model dequantized at load holds), float32 sums: within float32 summation error of that product in float64,
+    and far from the product with the unrounded weights. A row's bits depend on nothing else: not on the row
+    count (the register GEMV of 1-4 rows and the buffered tiles of more give the same chains), the thread
+    count, the row stride or the bias."""
+    n, k = 77, k_for(qtype) * 2  # 5 panels: a partial group of 4, a partial last panel
+    raw = random_blocks(qtype, n, k, seed=21)
+    w = dequantize(raw, qtype)
+    wb = w.to(torch.bfloat16).double()
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    g = torch.Generator().manual_seed(22)
+    wide = torch.randn(300, k + 10, generator=g).to(torch.bfloat16)
+    x = wide[:, :k]  # row stride k + 10
+    bias = torch.randn(n, generator=g)
+    full = kernels.quant_linear_bf16(x.contiguous(), packed, int(qtype), n, bias, torch.float32)
+    ref = x.double() @ wb.t() + bias.double()
+    scale = (x.double().abs() @ wb.abs().t()).max()
+    assert (full.double() - ref).abs().max() <= 1e-5 * scale
+    unrounded = x.double() @ w.double().t() + bias.double()
+    assert (full.double() - unrounded).abs().max() > 1e-4 * scale  # the weights really are bf16
+    for m in (1, 2, 3, 4, 5, 6, 7, 13, 64, 300):
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            y = kernels.quant_linear_bf16(x[:m], packed, int(qtype), n, bias, torch.float32)
+            assert torch.equal(y, full[:m]), (m, t)
+        yb = kernels.quant_linear_bf16(x[:m], packed, int(qtype), n, bias, torch.bfloat16)
+        assert yb.dtype == torch.bfloat16 and torch.equal(yb, full[:m].to(torch.bfloat16))
+    nob = kernels.quant_linear_bf16(x[:5], packed, int(qtype), n, None, torch.float32)
+    assert torch.allclose(nob + bias, full[:5], rtol=0, atol=1e-5 * float(scale))
+
+
+@needs_bf16
+def test_bf16_linear_bad_arguments_raise(kernels):
+    raw = torch.from_numpy(random_blocks(Q.Q8_0, 20, 64, seed=23))
+    packed = kernels.quant_pack(raw, int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.quant_linear_bf16(torch.randn(2, 64), packed, int(Q.Q8_0), 20, None, torch.float32)
+    with pytest.raises(RuntimeError, match="K the packed"):
+        kernels.quant_linear_bf16(torch.randn(2, 96).bfloat16(), packed, int(Q.Q8_0), 20, None, torch.float32)
+
+
 def test_bad_arguments_raise(kernels):
     raw = torch.from_numpy(random_blocks(Q.Q8_0, 20, 64, seed=9))
     packed = kernels.quant_pack(raw, int(Q.Q8_0))
@@ -169,6 +219,7 @@ H, KVH, D, HIDDEN, INTER, BS = 4, 2, 64, 256, 256, 16
 
 def test_route_id(kernels):
     assert dict(kernels.ext.matmul_routes())["quant"] == 7
+    assert dict(kernels.ext.matmul_routes())["quant_bf16"] == 8
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["fused", "strict"])

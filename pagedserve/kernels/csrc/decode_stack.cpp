@@ -17,7 +17,7 @@ namespace pagedserve {
 
 // How a matmul of a few rows runs. The values are pagedserve/model/matmul.py's Route (a test checks them
 // through the `matmul_routes` binding).
-enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3, kFixed = 5, kQuant = 7 };
+enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3, kFixed = 5, kQuant = 7, kQuantBf16 = 8 };
 
 // One matmul: its route, the plain weight and bias, and for the GGUF routes the block tensors
 // ([blocks] in GGUF's row layout, or [qs, scales, mins] regrouped by 16 rows; mins empty unless Q4_1),
@@ -43,6 +43,7 @@ struct MatmulSpec {
       case kBf16Gemv: return gemv_bf16(x, weight, bias);
       case kFixed: return fixed_linear(x, q[0], weight.size(0), bias, x.scalar_type());
       case kQuant: return quant_linear(x, q, qtype, out_features(), x.size(1), bias, x.scalar_type());
+      case kQuantBf16: return quant_linear_bf16(x, q, qtype, out_features(), x.size(1), bias, x.scalar_type());
       default: return at::linear(x, weight, bias);
     }
   }
@@ -65,12 +66,12 @@ class DecodeStack {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     for (const auto& l : layers_) {
       for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-        const size_t need =
-            m->route == kGgufR16 ? 3 : ((m->route == kGgufRows || m->route == kFixed || m->route == kQuant) ? 1 : 0);
-        const bool known = (m->route >= kLinear && m->route <= kGgufR16) || m->route == kFixed || m->route == kQuant;
+        const bool quant = m->route == kQuant || m->route == kQuantBf16;
+        const size_t need = m->route == kGgufR16 ? 3 : ((m->route == kGgufRows || m->route == kFixed || quant) ? 1 : 0);
+        const bool known = (m->route >= kLinear && m->route <= kGgufR16) || m->route == kFixed || quant;
         TORCH_CHECK(known && m->q.size() == need,
                     "DecodeStack: matmul route ", m->route, " with ", m->q.size(), " block tensors");
-        if (m->route == kQuant) {
+        if (quant) {
           const auto types = quant_types();
           TORCH_CHECK(std::find(types.begin(), types.end(), m->qtype) != types.end() && m->out_features() >= 1,
                       "DecodeStack: a quantized matmul needs a quant_types() type id and n (got ", m->qtype, ", ",
@@ -139,7 +140,7 @@ void bind_decode_stack(pybind11::module& m) {
   m.def("matmul_routes", []() {
     return std::vector<std::pair<std::string, int64_t>>{
         {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16},
-        {"fixed", kFixed}, {"quant", kQuant}};
+        {"fixed", kFixed}, {"quant", kQuant}, {"quant_bf16", kQuantBf16}};
   });
 }
 

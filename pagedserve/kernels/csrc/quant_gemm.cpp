@@ -607,6 +607,215 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
   });
 }
 
+// ---- bf16 weights (AVX512-BF16): quant_linear_bf16 -------------------------------------------------------
+//
+// A bf16 model computes with bf16 weights, as transformers does when it loads a GGUF in bfloat16: each weight
+// is gguf-py's float32 value rounded to nearest-even bf16. Those weights (widened from the blocks, rounded in
+// registers) and bf16 activations go to AVX512-BF16 pair dot products (vdpbf16ps), float32 sums. Each output
+// is ONE chain of vdpbf16ps steps over the k pairs (0,1), (2,3), ... in order, started at 0, whatever M, the
+// row's place in a tile, the tile's panels or the thread count: batch-invariant as quant_linear is.
+//
+// Per work item (a group of up to 4 panels = 64 output columns, and a block of x rows) the group's weights
+// are widened once into a bf16 buffer [panel][k / 2][16 rows][2] (a 512-bit load is one k pair of 16 rows),
+// then 6-row x 4-panel register tiles (24 accumulators) run over all of K.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(PAGEDSERVE_QUANT_AVX2)
+#define PAGEDSERVE_QUANT_BF16 1
+constexpr int64_t kBfPanels = 4;  // panels per group
+constexpr int64_t kBfRows = 6;    // rows per register tile
+
+// 16 float32 weights of k (rows 0-15) and of k + 1 -> one vector of 16 (w[r][k], w[r][k+1]) bf16 pairs.
+inline __m512i pair_bf16(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
+  const __m512 a = _mm512_insertf32x8(_mm512_castps256_ps512(a0), a1, 1);
+  const __m512 b = _mm512_insertf32x8(_mm512_castps256_ps512(b0), b1, 1);
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // [bf16(a_0..15), bf16(b_0..15)], nearest-even
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, both);
+}
+
+// The bf16 weights of one panel, all of K, into out[(k / 2) * 32 + 2 r + k % 2].
+template <int64_t T>
+void widen_panel_bf16(const uint8_t* panel, int64_t K, uint16_t* out) {
+  constexpr QuantType t = quant_type(T);
+  constexpr int64_t pbb = 16 * t.block_bytes;
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    Widen<T> wd;
+    wd.init(panel + (k0 / t.block_size) * pbb, static_cast<int>((k0 % t.block_size) / 32));
+    __m256 a0, a1, b0, b1;
+    uint16_t* o = out + k0 * 16;
+    for (int i = 0; i < 16; i += 2) {
+      wd.template get<false>(i, a0, a1);
+      wd.template get<false>(i + 1, b0, b1);
+      _mm512_storeu_si512(o + i * 16, pair_bf16(a0, a1, b0, b1));
+    }
+    for (int i = 0; i < 16; i += 2) {
+      wd.template get<true>(i, a0, a1);
+      wd.template get<true>(i + 1, b0, b1);
+      _mm512_storeu_si512(o + (16 + i) * 16, pair_bf16(a0, a1, b0, b1));
+    }
+  }
+}
+
+// acc[r][p] = chain over the k pairs of x[r] (bf16, row stride xs) . buf panel p; R rows, P panels.
+template <int R, int P>
+inline void bf16_tile(const uint16_t* x, int64_t xs, const uint16_t* buf, int64_t K, float* acc, int64_t as) {
+  __m512 c[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
+  const int64_t pstride = K * 16;  // uint16 per panel in buf
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    __m512bh w[P];
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) w[p] = (__m512bh)_mm512_loadu_si512(buf + p * pstride + kp * 32);
+    PAGEDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * xs + 2 * kp, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      PAGEDSERVE_UNROLL
+      for (int p = 0; p < P; ++p) c[r * P + p] = _mm512_dpbf16_ps(c[r * P + p], a, w[p]);
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * as + (i % P) * 16, c[i]);
+}
+
+template <int P>
+inline void bf16_tile_rows(int64_t R, const uint16_t* x, int64_t xs, const uint16_t* buf, int64_t K, float* acc,
+                           int64_t as) {
+  switch (R) {
+    case 1: bf16_tile<1, P>(x, xs, buf, K, acc, as); break;
+    case 2: bf16_tile<2, P>(x, xs, buf, K, acc, as); break;
+    case 3: bf16_tile<3, P>(x, xs, buf, K, acc, as); break;
+    case 4: bf16_tile<4, P>(x, xs, buf, K, acc, as); break;
+    case 5: bf16_tile<5, P>(x, xs, buf, K, acc, as); break;
+    default: bf16_tile<6, P>(x, xs, buf, K, acc, as); break;
+  }
+}
+
+inline void bf16_tile_any(int64_t R, int P, const uint16_t* x, int64_t xs, const uint16_t* buf, int64_t K, float* acc,
+                          int64_t as) {
+  switch (P) {
+    case 1: bf16_tile_rows<1>(R, x, xs, buf, K, acc, as); break;
+    case 2: bf16_tile_rows<2>(R, x, xs, buf, K, acc, as); break;
+    case 3: bf16_tile_rows<3>(R, x, xs, buf, K, acc, as); break;
+    default: bf16_tile_rows<4>(R, x, xs, buf, K, acc, as); break;
+  }
+}
+
+// The few-rows kernel (M <= 4): the same chains with the weights widened and paired in registers (no buffer),
+// R rows x P panels over all of K.
+template <int64_t T, int R, int P>
+void gemv_bf16_panels(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
+  constexpr QuantType t = quant_type(T);
+  constexpr int64_t pbb = 16 * t.block_bytes;
+  __m512 c[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    const int64_t boff = (k0 / t.block_size) * pbb;
+    const int s = static_cast<int>((k0 % t.block_size) / 32);
+    Widen<T> wd[P];
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) {
+      wd[p].init(panel + p * pstride + boff, s);
+      constexpr int64_t step_bytes = 16 * t.block_bytes * 32 / t.block_size;
+      const char* ahead = reinterpret_cast<const char*>(panel + p * pstride + (k0 / 32) * step_bytes) + kPrefetch;
+      for (int64_t off = 0; off < step_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    auto step = [&]<bool HI>(int i) {  // k = k0 + i, k0 + i + 1 (HI: + 16)
+      const int64_t k = k0 + (HI ? 16 + i : i);
+      __m512bh a[R];
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * xs + k, 4);
+        a[r] = (__m512bh)_mm512_set1_epi32(pair);
+      }
+      PAGEDSERVE_UNROLL
+      for (int p = 0; p < P; ++p) {
+        __m256 a0, a1, b0, b1;
+        wd[p].template get<HI>(i, a0, a1);
+        wd[p].template get<HI>(i + 1, b0, b1);
+        const __m512bh wv = (__m512bh)pair_bf16(a0, a1, b0, b1);
+        PAGEDSERVE_UNROLL
+        for (int r = 0; r < R; ++r) c[r * P + p] = _mm512_dpbf16_ps(c[r * P + p], a[r], wv);
+      }
+    };
+    for (int i = 0; i < 16; i += 2) step.template operator()<false>(i);
+    for (int i = 0; i < 16; i += 2) step.template operator()<true>(i);
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
+}
+
+template <int64_t T, int P>
+inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K,
+                           float* acc) {
+  switch (R) {
+    case 1: gemv_bf16_panels<T, 1, P>(x, xs, panel, pstride, K, acc); break;
+    case 2: gemv_bf16_panels<T, 2, P>(x, xs, panel, pstride, K, acc); break;
+    case 3: gemv_bf16_panels<T, 3, P>(x, xs, panel, pstride, K, acc); break;
+    default: gemv_bf16_panels<T, 4, P>(x, xs, panel, pstride, K, acc); break;
+  }
+}
+
+template <int64_t T, typename OT>
+void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
+                     int64_t K) {
+  constexpr QuantType t = quant_type(T);
+  const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
+  if (M <= kGemvRows) {
+    const int P = 2;
+    const int64_t pairs = (panels + P - 1) / P;
+    at::parallel_for(0, pairs, 1, [&](int64_t g0, int64_t g1) {
+      alignas(64) float acc[kGemvRows * 2 * 16];
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * P;
+        const int np = static_cast<int>(std::min<int64_t>(P, panels - p0));
+        if (np == 2) {
+          gemv_bf16_rows<T, 2>(M, x, xs, w + p0 * pstride, pstride, K, acc);
+        } else {
+          gemv_bf16_rows<T, 1>(M, x, xs, w + p0 * pstride, pstride, K, acc);
+        }
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * 16;
+          write_rows(acc + j * 16, np * 16, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
+        }
+      }
+    });
+    return;
+  }
+  const int64_t groups = (panels + kBfPanels - 1) / kBfPanels;
+  // Row blocks of ~384 KB of x (at least one tile), so that each group's widening is shared by many rows.
+  const int64_t MB = std::max<int64_t>(kBfRows, (393216 / (2 * K)) / kBfRows * kBfRows);
+  const int64_t mblocks = (M + MB - 1) / MB;
+  at::parallel_for(0, groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint16_t> wbuf(kBfPanels * K * 16 + 32);
+    uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float acc[kBfRows * kBfPanels * 16];
+    int64_t widened = -1;
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t g = it / mblocks, m0 = (it % mblocks) * MB, mb = std::min(MB, M - m0);
+      const int64_t p0 = g * kBfPanels;
+      const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
+      if (widened != g) {
+        for (int j = 0; j < np; ++j) widen_panel_bf16<T>(w + (p0 + j) * pstride, K, buf + j * K * 16);
+        widened = g;
+      }
+      for (int64_t r0 = 0; r0 < mb; r0 += kBfRows) {
+        const int64_t R = std::min(kBfRows, mb - r0);
+        bf16_tile_any(R, np, x + (m0 + r0) * xs, xs, buf, K, acc, np * 16);
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * 16;
+          write_rows(acc + j * 16, np * 16, R, bias, y + (m0 + r0) * N, N, n0, std::min<int64_t>(16, N - n0));
+        }
+      }
+    }
+  });
+}
+#endif
+
 // Runs body.template operator()<T>() with the type id as a template argument.
 template <typename F>
 inline void dispatch_type(int64_t type, F&& body) {
@@ -700,6 +909,53 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, i
     });
   });
   return y;
+}
+
+bool has_quant_bf16() {
+#ifdef PAGEDSERVE_QUANT_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y = x @ Wb.T (+ bias), Wb the dequantized weight rounded to bf16 (nearest-even); x [M, K] bf16 (contiguous
+// rows, any row stride); bias [N] (added in float32); out_dtype float32 or bf16 (rounded once, at the end).
+// AVX512-BF16 builds only (has_quant_bf16).
+torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
+                                c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype) {
+  using namespace quant_detail;
+  const QuantType& t = checked_type(type, "quant_linear_bf16");
+  int64_t pk, panels;
+  const torch::Tensor& p = checked_packed(packed, t, "quant_linear_bf16", pk, panels);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K && pk == K,
+              "quant_linear_bf16: x must be [M, K] with contiguous rows, K the packed weight's (", pk, ")");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_linear_bf16: x must be bfloat16");
+  TORCH_CHECK(N >= 1 && panels == (N + 15) / 16, "quant_linear_bf16: N does not match the packed weight");
+  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
+              "quant_linear_bf16: out_dtype must be float32 or bfloat16");
+  torch::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "quant_linear_bf16: bias must have N elements");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  if (M == 0) return y;
+#ifdef PAGEDSERVE_QUANT_BF16
+  const uint16_t* xp = ptr<uint16_t>(x);
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const uint8_t* wp = p.data_ptr<uint8_t>();
+  dispatch_type(type, [&]<int64_t T>() {
+    dispatch_float_bf16(y, "quant_linear_bf16", [&]<typename OT>() {
+      quant_gemm_bf16<T, OT>(xp, x.stride(0), wp, bp, ptr<OT>(y), M, N, K);
+    });
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "quant_linear_bf16: this build has no AVX512-BF16");
+  return y;
+#endif
 }
 
 // The dequantized rows ids (any shape, int64; each below 16 * panels: rows of the padding are 0) -> [..., K].
