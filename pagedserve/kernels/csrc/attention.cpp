@@ -487,6 +487,233 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 
 }  // namespace pagedserve
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(PAGEDSERVE_AVX512)
+#define PAGEDSERVE_ROWS_BF16 1
+namespace pagedserve {
+namespace rows_bf16 {
+
+// The row kernel for bf16 queries and a bf16 cache on AVX512-BF16 CPUs: flash-style (online softmax over
+// 16-key blocks), both matmuls on vdpbf16ps pair dot products with float32 sums, probabilities rounded to bf16
+// for the P.V product (as PyTorch's CPU flash attention does for bf16). Still a row kernel: a query row's
+// arithmetic depends only on its own q, its context length and the keys, because
+//   * key blocks are absolute (keys 16 j .. 16 j + 15 of the sequence), visited in order from block 0;
+//   * a row skips every block that starts at or past its context, and masks the keys past it in its last one;
+//   * each score is one chain over the d pairs, each output lane one chain over the key pairs.
+// So a prompt's rows come out the same however it is chunked or batched (as strict::rows_kernel's do).
+//
+// A first pass lays each sequence's K out as blocks kT[d / 2][16 keys] of (d, d + 1) pairs and V as blocks
+// of (key 2t, key 2t + 1) pairs per d (zero past the sequence's last key), shared by all its query tiles.
+constexpr int64_t kKeys = 16;   // keys per block
+constexpr int64_t kTile = 16;   // query rows per work item
+constexpr int64_t kVec = 4;     // query vectors whose score chains run interleaved
+
+// e^x for 16 lanes (x <= 0 here): 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; a few ulp, inline (the
+// same code for every row).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Accumulator lane l of zmm u holds output d = perm(u, l): unpacklo/hi_epi16 interleave within 128-bit lanes.
+inline int64_t lane_d(int64_t u, int64_t l) { return (u / 2) * 32 + (l / 4) * 8 + (u % 2) * 4 + l % 4; }
+
+void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
+         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+         int64_t BS, int64_t W, float scale) {
+  const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row;
+  const int64_t NU = D / 16;          // accumulator zmm per query vector
+  const int64_t kt_words = D / 2 * kKeys;  // uint32 per K block
+  const int64_t vp_words = kKeys / 2 * D;  // uint32 per V block
+  // Layout pass: blocks of every (sequence, kv head).
+  std::vector<int64_t> nblk(B), base(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    nblk[b] = (seq_lens[b] + kKeys - 1) / kKeys;
+    base[b + 1] = base[b] + nblk[b] * KVH;
+  }
+  std::vector<uint32_t> kt(base[B] * kt_words + 16), vp(base[B] * vp_words + 16);
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (b, kvh * nblk + jb)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t x = 0; x < nblk[b] * KVH; ++x) blocks.emplace_back(b, x);
+  auto key_row = [&](const uint16_t* cache, int64_t b, int64_t j, int64_t kvh) {
+    return cache + block_tables[b * W + j / BS] * block_stride + (j % BS) * row + kvh * D;
+  };
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [b, x] = blocks[i];
+      const int64_t kvh = x / nblk[b], jb = x % nblk[b], j0 = jb * kKeys, S = seq_lens[b];
+      uint32_t* kd = kt.data() + (base[b] + x) * kt_words;
+      uint32_t* vd = vp.data() + (base[b] + x) * vp_words;
+      for (int64_t t = 0; t < kKeys; ++t) {
+        if (j0 + t < S) {
+          const uint32_t* kr = reinterpret_cast<const uint32_t*>(key_row(kc, b, j0 + t, kvh));
+          _Pragma("GCC unroll 32")
+          for (int64_t p = 0; p < D / 2; ++p) kd[p * kKeys + t] = kr[p];
+        } else {
+          _Pragma("GCC unroll 32")
+          for (int64_t p = 0; p < D / 2; ++p) kd[p * kKeys + t] = 0;
+        }
+      }
+      const __m512i zero = _mm512_setzero_si512();
+      _Pragma("GCC unroll 32")
+      for (int64_t tp = 0; tp < kKeys / 2; ++tp) {
+        const int64_t ja = j0 + 2 * tp, jb2 = ja + 1;
+        const uint16_t* ra = ja < S ? key_row(vc, b, ja, kvh) : nullptr;
+        const uint16_t* rb = jb2 < S ? key_row(vc, b, jb2, kvh) : nullptr;
+        for (int64_t c = 0; c < D / 32; ++c) {
+          const __m512i a = ra ? _mm512_loadu_si512(ra + 32 * c) : zero;
+          const __m512i bb = rb ? _mm512_loadu_si512(rb + 32 * c) : zero;
+          _mm512_storeu_si512(vd + tp * D + (2 * c) * 16, _mm512_unpacklo_epi16(a, bb));
+          _mm512_storeu_si512(vd + tp * D + (2 * c + 1) * 16, _mm512_unpackhi_epi16(a, bb));
+        }
+      }
+    }
+  });
+  // Work items: (sequence, tile of query rows, kv head), dealt round-robin to the threads (causal rows
+  // late in a prompt cost more than early ones).
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = qsl[b]; r < qsl[b + 1]; r += kTile)
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) items.emplace_back(b, r, kvh);
+  std::vector<int64_t> dperm(D);
+  for (int64_t u = 0; u < NU; ++u)
+    for (int64_t l = 0; l < 16; ++l) dperm[u * 16 + l] = lane_d(u, l);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> accbuf(kTile * 8 * D + 16), mrow(kTile * 8), lrow(kTile * 8);
+    std::vector<int64_t> ctxv(kTile * 8);
+    for (int64_t tid = t0; tid < t1; ++tid) {
+      for (int64_t it = tid; it < n_items; it += nt) {
+        const auto [b, r0, kvh] = items[it];
+        const int64_t R = std::min(qsl[b + 1], r0 + kTile) - r0;
+        const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);  // row i sees first + i + 1
+        const int64_t M = R * group;
+        if (static_cast<int64_t>(mrow.size()) < M) {
+          accbuf.resize(M * D + 16);
+          mrow.resize(M);
+          lrow.resize(M);
+          ctxv.resize(M);
+        }
+        float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accbuf.data()) + 63) & ~uintptr_t(63));
+        for (int64_t m = 0; m < M; ++m) {
+          ctxv[m] = first + m / group + 1;
+          lrow[m] = 0.f;
+          mrow[m] = 0.f;
+        }
+        const int64_t S_max = first + R;
+        const uint32_t* kblk = kt.data() + (base[b] + kvh * nblk[b]) * kt_words;
+        const uint32_t* vblk = vp.data() + (base[b] + kvh * nblk[b]) * vp_words;
+        for (int64_t jb = 0; jb * kKeys < S_max; ++jb) {
+          const int64_t j0 = jb * kKeys;
+          const uint32_t* kd = kblk + jb * kt_words;
+          const uint32_t* vd = vblk + jb * vp_words;
+          // Vectors that see some key of this block: a prefix [m_lo, M) of the tile's vectors (rows are in order).
+          int64_t m_lo = 0;
+          while (m_lo < M && ctxv[m_lo] <= j0) ++m_lo;
+          for (int64_t m0 = m_lo; m0 < M; m0 += kVec) {
+            const int64_t nv = std::min(kVec, M - m0);
+            // Each score: two chains (even and odd d pairs), then their sum: 8 independent chains in flight.
+            __m512 sc[kVec], sc2[kVec];
+            _Pragma("GCC unroll 32")
+            for (int v = 0; v < kVec; ++v) sc[v] = sc2[v] = _mm512_setzero_ps();
+            const uint32_t* qp[kVec];
+            _Pragma("GCC unroll 32")
+            for (int v = 0; v < kVec; ++v) {
+              const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
+              qp[v] = reinterpret_cast<const uint32_t*>(q + (r0 + m / group) * qs + (kvh * group + m % group) * D);
+            }
+            for (int64_t p = 0; p < D / 2; p += 2) {
+              const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kd + p * kKeys);
+              const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kd + (p + 1) * kKeys);
+              _Pragma("GCC unroll 32")
+              for (int v = 0; v < kVec; ++v) {
+                sc[v] = _mm512_dpbf16_ps(sc[v], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[v][p])), k0);
+                sc2[v] = _mm512_dpbf16_ps(sc2[v], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[v][p + 1])), k1);
+              }
+            }
+            _Pragma("GCC unroll 32")
+            for (int v = 0; v < kVec; ++v) sc[v] = _mm512_add_ps(sc[v], sc2[v]);
+            // Online softmax of the block's scores, then P.V, for the kVec vectors side by side (independent
+            // chains). Vectors past nv are duplicates whose results are dropped.
+            __m512 pv[kVec];
+            float alpha[kVec];
+            bool fresh[kVec];
+            alignas(32) uint32_t pp[kVec][kKeys / 2];
+            _Pragma("GCC unroll 32")
+            for (int v = 0; v < kVec; ++v) {
+              const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
+              const int64_t vis_n = std::min<int64_t>(kKeys, ctxv[m] - j0);
+              const __mmask16 vis = static_cast<__mmask16>((1u << vis_n) - 1u);
+              const __m512 sv = _mm512_mul_ps(sc[v], _mm512_set1_ps(scale));
+              const float bmax = _mm512_mask_reduce_max_ps(vis, sv);
+              fresh[v] = lrow[m] == 0.f;
+              const float mnew = fresh[v] ? bmax : std::max(mrow[m], bmax);
+              pv[v] = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+              alpha[v] = fresh[v] ? 0.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(mrow[m] - mnew)));
+              if (v < nv) {
+                const float psum = _mm512_reduce_add_ps(pv[v]);
+                lrow[m] = fresh[v] ? psum : lrow[m] * alpha[v] + psum;
+                mrow[m] = mnew;
+              }
+              _mm256_store_si256(reinterpret_cast<__m256i*>(pp[v]), (__m256i)_mm512_cvtneps_pbh(pv[v]));
+            }
+            for (int64_t u0 = 0; u0 < NU; u0 += 4) {  // 4 zmm (64 d) of each vector's output at a time
+              const int64_t nu = std::min<int64_t>(4, NU - u0);
+              __m512 av[kVec][4];
+              _Pragma("GCC unroll 32")
+              for (int v = 0; v < kVec; ++v) {
+                const float* a = acc + (m0 + std::min<int64_t>(v, nv - 1)) * D + 16 * u0;
+                _Pragma("GCC unroll 32")
+                for (int64_t u = 0; u < 4; ++u)
+                  av[v][u] = (fresh[v] || u >= nu) ? _mm512_setzero_ps()
+                                                   : _mm512_mul_ps(_mm512_load_ps(a + 16 * u), _mm512_set1_ps(alpha[v]));
+              }
+              _Pragma("GCC unroll 32")
+              for (int64_t tp = 0; tp < kKeys / 2; ++tp) {
+                __m512bh vv[4];
+                _Pragma("GCC unroll 32")
+                for (int64_t u = 0; u < 4; ++u)
+                  vv[u] = (__m512bh)_mm512_loadu_si512(vd + tp * D + (u0 + std::min<int64_t>(u, nu - 1)) * 16);
+                _Pragma("GCC unroll 32")
+                for (int v = 0; v < kVec; ++v) {
+                  const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[v][tp]));
+                  _Pragma("GCC unroll 32")
+                  for (int64_t u = 0; u < 4; ++u) av[v][u] = _mm512_dpbf16_ps(av[v][u], pb, vv[u]);
+                }
+              }
+              _Pragma("GCC unroll 32")
+              for (int64_t v = 0; v < nv; ++v)
+                _Pragma("GCC unroll 32")
+                for (int64_t u = 0; u < nu; ++u) _mm512_store_ps(acc + (m0 + v) * D + 16 * (u0 + u), av[v][u]);
+            }
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const float inv = 1.f / lrow[m];
+          const float* a = acc + m * D;
+          uint16_t* o = out + ((r0 + m / group) * H + kvh * group + m % group) * D;
+          for (int64_t i = 0; i < D; ++i) o[dperm[i]] = Elem<uint16_t>::store(a[i] * inv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace rows_bf16
+}  // namespace pagedserve
+#endif
+
 namespace pagedserve {
 
 // The strict mode's attention (see strict::rows_kernel). q: [T, H, D] (float32 or bf16, heads
@@ -519,6 +746,14 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
       TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention_rows: block id ", id, " is outside the cache");
     }
   }
+#ifdef PAGEDSERVE_ROWS_BF16
+  if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 && D % 32 == 0 && D <= 256) {
+    auto res = torch::empty({T, H, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
+    rows_bf16::run(ptr<uint16_t>(q), q.stride(0), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), bt, sl, qsl,
+                   ptr<uint16_t>(res), B, H, KVH, D, BS, W, static_cast<float>(scale));
+    return res;
+  }
+#endif
   auto qf = q.to(torch::kFloat32).contiguous();
   auto res = torch::empty({T, H, D}, qf.options());
   const float sc = static_cast<float>(scale);

@@ -1,0 +1,78 @@
+"""The prefill row kernel for bf16 queries and a bf16 cache (paged_attention_rows on AVX512-BF16 builds:
+flash-style, vdpbf16ps for both matmuls): against float64 attention over the same bf16 values, and still a
+row kernel (a row's bits do not depend on how its prompt is chunked, on the other rows, or on q's stride)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import load_extension
+
+H, KVH, D, BS, NB = 9, 3, 64, 16, 300
+
+
+@pytest.fixture(scope="module")
+def ext():
+    k = load_extension("native")
+    assert k is not None
+    if not k.has_quant_bf16():  # the same build condition (AVX512-BF16)
+        pytest.skip("the bf16 row kernel needs an AVX512-BF16 build")
+    return k
+
+
+@pytest.fixture(scope="module")
+def cache():
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(NB, BS, KVH, D, generator=g).bfloat16()
+    vc = torch.randn(NB, BS, KVH, D, generator=g).bfloat16()
+    return kc, vc, torch.randperm(NB, generator=g)
+
+
+def reference(q, kc, vc, bt, seq_lens, qsl):
+    outs = []
+    for b in range(len(seq_lens)):
+        s_len, lo, hi = int(seq_lens[b]), int(qsl[b]), int(qsl[b + 1])
+        idx = bt[b, : (s_len + BS - 1) // BS]
+        k = kc[idx].flatten(0, 1)[:s_len].double().repeat_interleave(H // KVH, dim=1)
+        v = vc[idx].flatten(0, 1)[:s_len].double().repeat_interleave(H // KVH, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[lo:hi].double(), k) * D**-0.5
+        pos = torch.arange(s_len - (hi - lo), s_len).view(-1, 1)
+        s = s.masked_fill(torch.arange(s_len).view(1, -1) > pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def test_matches_float64_attention_and_stays_a_row_kernel(ext, cache):
+    kc, vc, perm = cache
+    g = torch.Generator().manual_seed(1)
+    # Sequence 0: 63 cached keys + 37 new rows; sequence 1: a 200-token prompt in one chunk.
+    seq_lens, qsl = torch.tensor([100, 200]), torch.tensor([0, 37, 237])
+    bt = torch.stack([perm[:16], perm[16:32]]).contiguous()
+    q = torch.randn(237, H, D, generator=g).bfloat16()
+    out = ext.paged_attention_rows(q, kc, vc, bt, seq_lens, qsl, D**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    err = (out.double() - reference(q, kc, vc, bt, seq_lens, qsl)).abs()
+    assert err.max() < 2e-2 and err.mean() < 1e-3  # bf16 output and bf16 probabilities
+    one = bt[1:]
+    # The 200-token prompt in two chunks of 100, and its last row alone.
+    a = ext.paged_attention_rows(q[37:137], kc, vc, one, torch.tensor([100]), torch.tensor([0, 100]), D**-0.5)
+    b = ext.paged_attention_rows(q[137:237], kc, vc, one, torch.tensor([200]), torch.tensor([0, 100]), D**-0.5)
+    assert torch.equal(torch.cat([a, b]), out[37:])
+    last = ext.paged_attention_rows(q[236:], kc, vc, one, torch.tensor([200]), torch.tensor([0, 1]), D**-0.5)
+    assert torch.equal(last, out[236:])
+    # q as a strided view (rows of a wider qkv tensor).
+    wide = torch.zeros(237, H * D + 2 * KVH * D, dtype=torch.bfloat16)
+    wide[:, : H * D] = q.view(237, -1)
+    strided = wide[:, : H * D].view(237, H, D)
+    assert torch.equal(ext.paged_attention_rows(strided, kc, vc, bt, seq_lens, qsl, D**-0.5), out)
+
+
+def test_float32_queries_keep_the_float32_kernel(ext, cache):
+    """Only bf16 queries over a bf16 cache take the bf16 kernel: float32 queries are not rounded."""
+    kc, vc, perm = cache
+    q = torch.randn(20, H, D, generator=torch.Generator().manual_seed(2))
+    bt, seq_lens, qsl = perm[:4].view(1, -1).contiguous(), torch.tensor([20]), torch.tensor([0, 20])
+    out = ext.paged_attention_rows(q, kc, vc, bt, seq_lens, qsl, D**-0.5)
+    assert out.dtype == torch.float32
+    assert (out.double() - reference(q, kc, vc, bt, seq_lens, qsl)).abs().max() < 1e-4
