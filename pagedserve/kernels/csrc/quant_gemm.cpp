@@ -749,9 +749,114 @@ void gemv_bf16_panels(const uint16_t* x, int64_t xs, const uint8_t* panel, int64
   for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
 }
 
+// Q4_0, Q4_1 and Q8_0: the 16 k pairs of a 32-k sub-block of a packed block widened straight into pair
+// vectors with 512-bit ops (two bytes planes side by side -> interleaved -> float32 -> scale -> bf16), about
+// half the work of Widen + pair_bf16 and the same values: d * q (+ m) is exact up to its one rounding either
+// way (an fma rounds d * q + m once, as d * q, exact, then + m does), then the same nearest-even bf16.
+template <int64_t T>
+struct FastPairs {
+  static constexpr bool kOk = T == kQ4_0 || T == kQ4_1 || T == kQ8_0;
+  const uint8_t* q;
+  __m512 d0, d1, m0, m1;  // (d_r, d_r) for rows 0-7 and 8-15, and the mins
+
+  inline void init(const uint8_t* pb) {
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
+    d0 = _mm512_permutexvar_ps(lo, d);
+    d1 = _mm512_permutexvar_ps(hi, d);
+    if constexpr (T == kQ4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
+      m0 = _mm512_permutexvar_ps(lo, m);
+      m1 = _mm512_permutexvar_ps(hi, m);
+      q = pb + 64;
+    } else {
+      q = pb + 32;
+    }
+  }
+
+  // 32 bytes [byte plane a (16 rows) | plane a + 1] -> pair vector of the two k's they hold.
+  inline __m512i make(__m256i ab) const {
+    const __m128i a = _mm256_castsi256_si128(ab), b = _mm256_extracti128_si256(ab, 1);
+    const __m128i r0 = _mm_unpacklo_epi8(a, b), r1 = _mm_unpackhi_epi8(a, b);  // rows 0-7, 8-15: (k, k+1)
+    __m512 f0, f1;
+    if constexpr (T == kQ8_0) {
+      f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d0);
+      f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d1);
+    } else if constexpr (T == kQ4_0) {
+      const __m128i eight = _mm_set1_epi8(8);
+      f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(r0, eight))), d0);
+      f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(r1, eight))), d1);
+    } else {
+      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r0)), d0, m0);
+      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r1)), d1, m1);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+  }
+
+  // The pair vector of k = 2 j, 2 j + 1 (j < 16) of the sub-block.
+  inline __m512i get(int j) const {
+    if constexpr (T == kQ8_0) {
+      return make(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * j * 16)));
+    } else {
+      const int jj = j & 7;  // byte planes 2 jj, 2 jj + 1: low nibbles k = 2 jj.., high nibbles k = 16 + 2 jj..
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * jj * 16));
+      const __m256i nib = j < 8 ? _mm256_and_si256(raw, _mm256_set1_epi8(0x0F))
+                                : _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+      return make(nib);
+    }
+  }
+};
+
+template <int64_t T, int R, int P>
+void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
+  constexpr QuantType t = quant_type(T);
+  constexpr int64_t pbb = 16 * t.block_bytes;
+  __m512 c[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    FastPairs<T> fp[P];
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* pb = panel + p * pstride + (k0 / 32) * pbb;
+      fp[p].init(pb);
+      const char* ahead = reinterpret_cast<const char*>(pb) + kPrefetch;
+      for (int64_t off = 0; off < pbb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    PAGEDSERVE_UNROLL
+    for (int j = 0; j < 16; ++j) {
+      __m512bh a[R];
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * xs + k0 + 2 * j, 4);
+        a[r] = (__m512bh)_mm512_set1_epi32(pair);
+      }
+      PAGEDSERVE_UNROLL
+      for (int p = 0; p < P; ++p) {
+        const __m512bh wv = (__m512bh)fp[p].get(j);
+        PAGEDSERVE_UNROLL
+        for (int r = 0; r < R; ++r) c[r * P + p] = _mm512_dpbf16_ps(c[r * P + p], a[r], wv);
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
+}
+
 template <int64_t T, int P>
 inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K,
                            float* acc) {
+  if constexpr (FastPairs<T>::kOk) {
+    switch (R) {
+      case 1: gemv_bf16_fast<T, 1, P>(x, xs, panel, pstride, K, acc); break;
+      case 2: gemv_bf16_fast<T, 2, P>(x, xs, panel, pstride, K, acc); break;
+      case 3: gemv_bf16_fast<T, 3, P>(x, xs, panel, pstride, K, acc); break;
+      default: gemv_bf16_fast<T, 4, P>(x, xs, panel, pstride, K, acc); break;
+    }
+    return;
+  }
   switch (R) {
     case 1: gemv_bf16_panels<T, 1, P>(x, xs, panel, pstride, K, acc); break;
     case 2: gemv_bf16_panels<T, 2, P>(x, xs, panel, pstride, K, acc); break;
