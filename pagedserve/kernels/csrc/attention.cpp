@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -365,12 +366,91 @@ void pv_chunk(const float* sc, const SC* vc, const int64_t* table, int64_t S, in
     for (int k = 0; k < NV; ++k) store16(out + g * D + c + 16 * k, acc[g][k]);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDSERVE_DECODE_BF16 1
+// Scores of G <= 4 bf16 query heads against a bf16 cache, 16 keys at a time: per key and head, ND = D / 32
+// vdpbf16ps over the raw rows (16 lanes of partial sums, no widening), then one transpose-add tree turns the
+// 16 keys' partial vectors into their 16 scores in key order (15 combine steps instead of 16 horizontal sums).
+inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+}
+
+template <int G, int ND>
+void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
+                      int64_t D, float scale, float* sc) {
+  const __m512i l1lo = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i l1hi = _mm512_add_epi32(l1lo, _mm512_set1_epi32(8));
+  const __m512i l2lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i l2hi = _mm512_add_epi32(l2lo, _mm512_set1_epi32(4));
+  const __m512i l3lo = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+  const __m512i l3hi = _mm512_add_epi32(l3lo, _mm512_set1_epi32(2));
+  const __m512i l4lo = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i l4hi = _mm512_add_epi32(l4lo, _mm512_set1_epi32(1));
+  __m512bh qv[G][ND];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < ND; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < S; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, S - j0);
+    if (j0 + 16 < S) {  // the next 16 keys' rows (random blocks: no hardware prefetch)
+      for (int64_t t = 0; t < std::min<int64_t>(16, S - j0 - 16); ++t) {
+        const int64_t j = j0 + 16 + t;
+        const char* p = reinterpret_cast<const char*>(kc + table[j / BS] * BS * row + (j % BS) * row);
+        for (int64_t off = 0; off < D * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+      }
+    }
+    __m512 d4[G][4];  // level-2 results: 4 keys each
+    _Pragma("GCC unroll 4")
+    for (int quad = 0; quad < 4; ++quad) {
+      __m512 a[G][4];
+      _Pragma("GCC unroll 4")
+      for (int t = 0; t < 4; ++t) {
+        const int64_t j = j0 + quad * 4 + t;
+        if (quad * 4 + t < n) {
+          const uint16_t* k = kc + table[j / BS] * BS * row + (j % BS) * row;
+          __m512bh kv[ND];
+          for (int c = 0; c < ND; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+          for (int g = 0; g < G; ++g) {
+            __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+            for (int c = 1; c < ND; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
+            a[g][t] = acc;
+          }
+        } else {
+          for (int g = 0; g < G; ++g) a[g][t] = _mm512_setzero_ps();
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        d4[g][quad] = fold(fold(a[g][0], a[g][1], l1lo, l1hi), fold(a[g][2], a[g][3], l1lo, l1hi), l2lo, l2hi);
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    for (int g = 0; g < G; ++g) {
+      const __m512 e0 = fold(d4[g][0], d4[g][1], l3lo, l3hi), e1 = fold(d4[g][2], d4[g][3], l3lo, l3hi);
+      _mm512_mask_storeu_ps(sc + g * S + j0, live, _mm512_mul_ps(fold(e0, e1, l4lo, l4hi), sv));
+    }
+  }
+}
+
+#endif
+
 template <int G, typename SC, typename SQ>
-void attend_chunk(const float* qf, const SC* kc, const SC* vc, const int64_t* table, int64_t S, int64_t BS,
-                  int64_t row, int64_t D, std::vector<float>& sc, SQ* out) {
-  sc.resize(G * S);
-  scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data());
+void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, const SC* vc, const int64_t* table,
+                  int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SQ* out) {
+  sc.resize(G * S + 16);
+  bool done = false;
+#ifdef PAGEDSERVE_DECODE_BF16
+  if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
+    if (D == 64) {
+      scores_pass_bf16<G, 2>(qraw, kc, table, S, BS, row, D, scale, sc.data());
+      done = true;
+    } else if (D == 128) {
+      scores_pass_bf16<G, 4>(qraw, kc, table, S, BS, row, D, scale, sc.data());
+      done = true;
+    }
+  }
+#endif
+  if (!done) scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data());
   for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S);
+
   int64_t c = 0;
   for (; c + 64 <= D; c += 64) pv_chunk<G, 4>(sc.data(), vc, table, S, BS, row, D, c, out);
   switch ((D - c) / 16) {
@@ -404,14 +484,14 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
       const SC* k = kc + kvh * D;
       const SC* v = vc + kvh * D;
       switch (G) {
-        case 1: attend_chunk<1>(qf, k, v, table, S, BS, row, D, sc, o); break;
-        case 2: attend_chunk<2>(qf, k, v, table, S, BS, row, D, sc, o); break;
-        case 3: attend_chunk<3>(qf, k, v, table, S, BS, row, D, sc, o); break;
-        case 4: attend_chunk<4>(qf, k, v, table, S, BS, row, D, sc, o); break;
-        case 5: attend_chunk<5>(qf, k, v, table, S, BS, row, D, sc, o); break;
-        case 6: attend_chunk<6>(qf, k, v, table, S, BS, row, D, sc, o); break;
-        case 7: attend_chunk<7>(qf, k, v, table, S, BS, row, D, sc, o); break;
-        default: attend_chunk<8>(qf, k, v, table, S, BS, row, D, sc, o); break;
+        case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
+        case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
+        case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
+        case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
+        case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
+        case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
+        case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
+        default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
       }
     }
   });
