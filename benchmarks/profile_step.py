@@ -21,8 +21,8 @@ from pagedserve.entrypoints.cli.bench import random_prompts
 from pagedserve.sampling_params import SamplingParams
 
 KERNELS = ("paged_decode_attention", "paged_attention_rows", "rms_norm", "fused_add_rms_norm", "rotary_write_kv",
-           "silu_and_mul", "argmax_rows", "gemv_bf16", "gemv_gguf", "gemv_gguf_r16", "quant_linear", "fixed_linear",
-           "quant_embedding")
+           "silu_and_mul", "argmax_rows", "gemv_bf16", "gemv_gguf", "gemv_gguf_r16", "quant_linear", "quant_linear_bf16",
+           "fixed_linear", "quant_embedding")
 
 
 def _named(fn, name):
@@ -52,7 +52,10 @@ def trace_kernels(engine: LLMEngine) -> None:
         return
     traced = _Traced(runner.kernels.ext)
     runner.set_kernels(runner.kernels.replace(ext=traced))
+    kernels = runner.kernels
     for routes in runner.model.matmul_routes():
+        if routes.kernels is not None:  # the quantized and fixed-order routes call through their CpuKernels
+            routes.kernels = kernels
         routes.gemv = routes.gemv and traced.gemv_bf16
         if routes.qgemv is not None:
             routes.qgemv.fn = traced.gemv_gguf_r16 if routes.qgemv.regrouped else traced.gemv_gguf

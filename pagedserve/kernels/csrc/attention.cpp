@@ -585,7 +585,8 @@ namespace rows_bf16 {
 // of (key 2t, key 2t + 1) pairs per d (zero past the sequence's last key), shared by all its query tiles.
 constexpr int64_t kKeys = 16;   // keys per block
 constexpr int64_t kTile = 16;   // query rows per work item
-constexpr int64_t kVec = 4;     // query vectors whose score chains run interleaved
+constexpr int64_t kVec = 4;     // query vectors whose P.V chains run interleaved
+constexpr int64_t kVecQ = 6;    // query vectors whose score chains run interleaved
 
 // e^x for 16 lanes (x <= 0 here): 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; a few ulp, inline (the
 // same code for every row).
@@ -671,7 +672,10 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> accbuf(kTile * 8 * D + 16), mrow(kTile * 8), lrow(kTile * 8);
+    std::vector<float> accbuf(kTile * 8 * D + 16), mrow(kTile * 8), lrow(kTile * 8), abufv(kTile * 8);
+    std::vector<float> sbufv(kTile * 8 * kKeys + 16);
+    std::vector<uint32_t> pbufv(kTile * 8 * (kKeys / 2) + 8);
+    std::vector<char> fbufv(kTile * 8);
     std::vector<int64_t> ctxv(kTile * 8);
     for (int64_t tid = t0; tid < t1; ++tid) {
       for (int64_t it = tid; it < n_items; it += nt) {
@@ -684,8 +688,16 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
           mrow.resize(M);
           lrow.resize(M);
           ctxv.resize(M);
+          abufv.resize(M);
+          fbufv.resize(M);
+          sbufv.resize(M * kKeys + 16);
+          pbufv.resize(M * (kKeys / 2) + 8);
         }
         float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accbuf.data()) + 63) & ~uintptr_t(63));
+        float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbufv.data()) + 63) & ~uintptr_t(63));
+        uint32_t* pbuf = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pbufv.data()) + 31) & ~uintptr_t(31));
+        float* abuf = abufv.data();
+        char* fbuf = fbufv.data();
         for (int64_t m = 0; m < M; ++m) {
           ctxv[m] = first + m / group + 1;
           lrow[m] = 0.f;
@@ -701,15 +713,17 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
           // Vectors that see some key of this block: a prefix [m_lo, M) of the tile's vectors (rows are in order).
           int64_t m_lo = 0;
           while (m_lo < M && ctxv[m_lo] <= j0) ++m_lo;
-          for (int64_t m0 = m_lo; m0 < M; m0 += kVec) {
-            const int64_t nv = std::min(kVec, M - m0);
+          // Three passes over the tile's vectors, each with independent work side by side: scores, the
+          // online softmax, P.V.
+          for (int64_t m0 = m_lo; m0 < M; m0 += kVecQ) {
+            const int64_t nv = std::min(kVecQ, M - m0);
             // Each score: two chains (even and odd d pairs), then their sum: 8 independent chains in flight.
-            __m512 sc[kVec], sc2[kVec];
+            __m512 sc[kVecQ], sc2[kVecQ];
             _Pragma("GCC unroll 32")
-            for (int v = 0; v < kVec; ++v) sc[v] = sc2[v] = _mm512_setzero_ps();
-            const uint32_t* qp[kVec];
+            for (int v = 0; v < kVecQ; ++v) sc[v] = sc2[v] = _mm512_setzero_ps();
+            const uint32_t* qp[kVecQ];
             _Pragma("GCC unroll 32")
-            for (int v = 0; v < kVec; ++v) {
+            for (int v = 0; v < kVecQ; ++v) {
               const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
               qp[v] = reinterpret_cast<const uint32_t*>(q + (r0 + m / group) * qs + (kvh * group + m % group) * D);
             }
@@ -717,47 +731,45 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
               const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kd + p * kKeys);
               const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kd + (p + 1) * kKeys);
               _Pragma("GCC unroll 32")
-              for (int v = 0; v < kVec; ++v) {
+              for (int v = 0; v < kVecQ; ++v) {
                 sc[v] = _mm512_dpbf16_ps(sc[v], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[v][p])), k0);
                 sc2[v] = _mm512_dpbf16_ps(sc2[v], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[v][p + 1])), k1);
               }
             }
             _Pragma("GCC unroll 32")
-            for (int v = 0; v < kVec; ++v) sc[v] = _mm512_add_ps(sc[v], sc2[v]);
-            // Online softmax of the block's scores, then P.V, for the kVec vectors side by side (independent
-            // chains). Vectors past nv are duplicates whose results are dropped.
-            __m512 pv[kVec];
-            float alpha[kVec];
-            bool fresh[kVec];
-            alignas(32) uint32_t pp[kVec][kKeys / 2];
-            _Pragma("GCC unroll 32")
-            for (int v = 0; v < kVec; ++v) {
-              const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
-              const int64_t vis_n = std::min<int64_t>(kKeys, ctxv[m] - j0);
-              const __mmask16 vis = static_cast<__mmask16>((1u << vis_n) - 1u);
-              const __m512 sv = _mm512_mul_ps(sc[v], _mm512_set1_ps(scale));
-              const float bmax = _mm512_mask_reduce_max_ps(vis, sv);
-              fresh[v] = lrow[m] == 0.f;
-              const float mnew = fresh[v] ? bmax : std::max(mrow[m], bmax);
-              pv[v] = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-              alpha[v] = fresh[v] ? 0.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(mrow[m] - mnew)));
-              if (v < nv) {
-                const float psum = _mm512_reduce_add_ps(pv[v]);
-                lrow[m] = fresh[v] ? psum : lrow[m] * alpha[v] + psum;
-                mrow[m] = mnew;
-              }
-              _mm256_store_si256(reinterpret_cast<__m256i*>(pp[v]), (__m256i)_mm512_cvtneps_pbh(pv[v]));
-            }
+            for (int v = 0; v < kVecQ; ++v)
+              if (v < nv) _mm512_store_ps(sbuf + (m0 + v) * kKeys, _mm512_mul_ps(_mm512_add_ps(sc[v], sc2[v]),
+                                                                                   _mm512_set1_ps(scale)));
+          }
+          for (int64_t m = m_lo; m < M; ++m) {  // online softmax of the block's scores
+            const int64_t vis_n = std::min<int64_t>(kKeys, ctxv[m] - j0);
+            const __mmask16 vis = static_cast<__mmask16>((1u << vis_n) - 1u);
+            const __m512 sv = _mm512_load_ps(sbuf + m * kKeys);
+            const float bmax = _mm512_mask_reduce_max_ps(vis, sv);
+            const bool fresh = lrow[m] == 0.f;
+            const float mnew = fresh ? bmax : std::max(mrow[m], bmax);
+            const __m512 pv = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+            const float alpha = fresh ? 0.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(mrow[m] - mnew)));
+            const float psum = _mm512_reduce_add_ps(pv);
+            lrow[m] = fresh ? psum : lrow[m] * alpha + psum;
+            mrow[m] = mnew;
+            abuf[m] = alpha;
+            fbuf[m] = fresh;
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pbuf + m * (kKeys / 2)), (__m256i)_mm512_cvtneps_pbh(pv));
+          }
+          for (int64_t m0 = m_lo; m0 < M; m0 += kVec) {  // P.V, kVec vectors side by side
+            const int64_t nv = std::min(kVec, M - m0);
             for (int64_t u0 = 0; u0 < NU; u0 += 4) {  // 4 zmm (64 d) of each vector's output at a time
               const int64_t nu = std::min<int64_t>(4, NU - u0);
               __m512 av[kVec][4];
               _Pragma("GCC unroll 32")
               for (int v = 0; v < kVec; ++v) {
-                const float* a = acc + (m0 + std::min<int64_t>(v, nv - 1)) * D + 16 * u0;
+                const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
+                const float* a = acc + m * D + 16 * u0;
                 _Pragma("GCC unroll 32")
                 for (int64_t u = 0; u < 4; ++u)
-                  av[v][u] = (fresh[v] || u >= nu) ? _mm512_setzero_ps()
-                                                   : _mm512_mul_ps(_mm512_load_ps(a + 16 * u), _mm512_set1_ps(alpha[v]));
+                  av[v][u] = (fbuf[m] || u >= nu) ? _mm512_setzero_ps()
+                                                  : _mm512_mul_ps(_mm512_load_ps(a + 16 * u), _mm512_set1_ps(abuf[m]));
               }
               _Pragma("GCC unroll 32")
               for (int64_t tp = 0; tp < kKeys / 2; ++tp) {
@@ -767,7 +779,8 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
                   vv[u] = (__m512bh)_mm512_loadu_si512(vd + tp * D + (u0 + std::min<int64_t>(u, nu - 1)) * 16);
                 _Pragma("GCC unroll 32")
                 for (int v = 0; v < kVec; ++v) {
-                  const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[v][tp]));
+                  const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
+                  const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pbuf[m * (kKeys / 2) + tp]));
                   _Pragma("GCC unroll 32")
                   for (int64_t u = 0; u < 4; ++u) av[v][u] = _mm512_dpbf16_ps(av[v][u], pb, vv[u]);
                 }
