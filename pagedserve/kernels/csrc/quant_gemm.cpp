@@ -457,25 +457,30 @@ inline void run_tile(int64_t R, int P, const float* x, int64_t xs, const float* 
 // registers one k at a time (no buffer): acc[r * 16 P + p * 16 + j] = the chain of row r, column p * 16 + j.
 constexpr int64_t kPrefetch = 4096;
 
+template <int64_t T, int P>
+inline void init_panels(Widen<T>* wd, const uint8_t* panel, int64_t pstride, int64_t k0) {
+  // The 32-k step at k0 of P panels; their bytes are read in k order: fetch each one's share of a step,
+  // kPrefetch bytes ahead.
+  constexpr QuantType t = quant_type(T);
+  constexpr int64_t pbb = 16 * t.block_bytes, step_bytes = 16 * t.block_bytes * 32 / t.block_size;
+  const int64_t boff = (k0 / t.block_size) * pbb;
+  const int s = static_cast<int>((k0 % t.block_size) / 32);
+  PAGEDSERVE_UNROLL
+  for (int p = 0; p < P; ++p) {
+    wd[p].init(panel + p * pstride + boff, s);
+    const char* ahead = reinterpret_cast<const char*>(panel + p * pstride + (k0 / 32) * step_bytes) + kPrefetch;
+    for (int64_t off = 0; off < step_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+  }
+}
+
 template <int64_t T, int R, int P>
 void gemv_panels(const float* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
-  constexpr QuantType t = quant_type(T);
-  constexpr int64_t pbb = 16 * t.block_bytes;
   __m256 c0[R * P], c1[R * P];
   PAGEDSERVE_UNROLL
   for (int i = 0; i < R * P; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    const int64_t boff = (k0 / t.block_size) * pbb;
-    const int s = static_cast<int>((k0 % t.block_size) / 32);
     Widen<T> wd[P];
-    PAGEDSERVE_UNROLL
-    for (int p = 0; p < P; ++p) {
-      wd[p].init(panel + p * pstride + boff, s);
-      // The panel's bytes are read in k order: fetch the share of a 32-k step, kPrefetch bytes ahead.
-      constexpr int64_t step_bytes = 16 * t.block_bytes * 32 / t.block_size;
-      const char* ahead = reinterpret_cast<const char*>(panel + p * pstride + (k0 / 32) * step_bytes) + kPrefetch;
-      for (int64_t off = 0; off < step_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    }
+    init_panels<T, P>(wd, panel, pstride, k0);
     auto step = [&]<bool HI>(int i) {
       const float* xk = x + k0 + (HI ? 16 + i : i);
       PAGEDSERVE_UNROLL
@@ -535,6 +540,25 @@ inline void write_rows(const float* acc, int64_t as, int64_t rows, const float* 
 
 constexpr int64_t kGemvRows = 4;  // up to here: the few-rows path
 
+// The few-rows driver: threads split the groups of P (1 or 2) panels; kernel(np, p0, acc) fills the M x 16 np
+// sums of panels p0 .. p0 + np - 1 (row stride 16 np), which are then written out with the bias.
+template <typename OT, typename F>
+inline void gemv_groups(int64_t M, int P, int64_t panels, const float* bias, OT* y, int64_t N, F&& kernel) {
+  const int64_t groups = (panels + P - 1) / P;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float acc[kGemvRows * 2 * 16];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * P;
+      const int np = static_cast<int>(std::min<int64_t>(P, panels - p0));
+      kernel(np, p0, acc);
+      for (int j = 0; j < np; ++j) {
+        const int64_t n0 = (p0 + j) * 16;
+        write_rows(acc + j * 16, np * 16, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
+      }
+    }
+  });
+}
+
 template <int64_t T, typename OT>
 void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
                 int64_t K) {
@@ -544,22 +568,11 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
 #ifdef PAGEDSERVE_QUANT_AVX2
     // 1-2 rows x 2 panels, 3-4 rows x 1: 4-8 independent chains per k step, enough to hide the FMA
     // latency behind the widening.
-    const int P = M <= 2 ? 2 : 1;
-    const int64_t groups = (panels + P - 1) / P;
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      alignas(64) float acc[kGemvRows * 2 * 16];
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * P;
-        const int np = static_cast<int>(std::min<int64_t>(P, panels - p0));
-        if (np == 2) {
-          gemv_rows<T, 2>(M, x, xs, w + p0 * pstride, pstride, K, acc);
-        } else {
-          gemv_rows<T, 1>(M, x, xs, w + p0 * pstride, pstride, K, acc);
-        }
-        for (int j = 0; j < np; ++j) {
-          const int64_t n0 = (p0 + j) * 16;
-          write_rows(acc + j * 16, np * 16, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
-        }
+    gemv_groups(M, M <= 2 ? 2 : 1, panels, bias, y, N, [&](int np, int64_t p0, float* acc) {
+      if (np == 2) {
+        gemv_rows<T, 2>(M, x, xs, w + p0 * pstride, pstride, K, acc);
+      } else {
+        gemv_rows<T, 1>(M, x, xs, w + p0 * pstride, pstride, K, acc);
       }
     });
 #else
@@ -707,22 +720,12 @@ inline void bf16_tile_any(int64_t R, int P, const uint16_t* x, int64_t xs, const
 // R rows x P panels over all of K.
 template <int64_t T, int R, int P>
 void gemv_bf16_panels(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
-  constexpr QuantType t = quant_type(T);
-  constexpr int64_t pbb = 16 * t.block_bytes;
   __m512 c[R * P];
   PAGEDSERVE_UNROLL
   for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    const int64_t boff = (k0 / t.block_size) * pbb;
-    const int s = static_cast<int>((k0 % t.block_size) / 32);
     Widen<T> wd[P];
-    PAGEDSERVE_UNROLL
-    for (int p = 0; p < P; ++p) {
-      wd[p].init(panel + p * pstride + boff, s);
-      constexpr int64_t step_bytes = 16 * t.block_bytes * 32 / t.block_size;
-      const char* ahead = reinterpret_cast<const char*>(panel + p * pstride + (k0 / 32) * step_bytes) + kPrefetch;
-      for (int64_t off = 0; off < step_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    }
+    init_panels<T, P>(wd, panel, pstride, k0);
     auto step = [&]<bool HI>(int i) {  // k = k0 + i, k0 + i + 1 (HI: + 16)
       const int64_t k = k0 + (HI ? 16 + i : i);
       __m512bh a[R];
@@ -871,22 +874,11 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
   constexpr QuantType t = quant_type(T);
   const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
   if (M <= kGemvRows) {
-    const int P = 2;
-    const int64_t pairs = (panels + P - 1) / P;
-    at::parallel_for(0, pairs, 1, [&](int64_t g0, int64_t g1) {
-      alignas(64) float acc[kGemvRows * 2 * 16];
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * P;
-        const int np = static_cast<int>(std::min<int64_t>(P, panels - p0));
-        if (np == 2) {
-          gemv_bf16_rows<T, 2>(M, x, xs, w + p0 * pstride, pstride, K, acc);
-        } else {
-          gemv_bf16_rows<T, 1>(M, x, xs, w + p0 * pstride, pstride, K, acc);
-        }
-        for (int j = 0; j < np; ++j) {
-          const int64_t n0 = (p0 + j) * 16;
-          write_rows(acc + j * 16, np * 16, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
-        }
+    gemv_groups(M, 2, panels, bias, y, N, [&](int np, int64_t p0, float* acc) {
+      if (np == 2) {
+        gemv_bf16_rows<T, 2>(M, x, xs, w + p0 * pstride, pstride, K, acc);
+      } else {
+        gemv_bf16_rows<T, 1>(M, x, xs, w + p0 * pstride, pstride, K, acc);
       }
     });
     return;
@@ -950,6 +942,21 @@ const torch::Tensor& checked_packed(const std::vector<torch::Tensor>& packed, co
   return p;
 }
 
+// A matmul's arguments against its packed weight (x [M, K] with contiguous rows, N, out_dtype); returns the
+// packed tensor.
+const torch::Tensor& checked_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& packed, int64_t type,
+                                    int64_t N, int64_t K, c10::ScalarType out_dtype, const char* what) {
+  const QuantType& t = checked_type(type, what);
+  int64_t pk, panels;
+  const torch::Tensor& p = checked_packed(packed, t, what, pk, panels);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K && pk == K,
+              what, ": x must be [M, K] with contiguous rows, K the packed weight's (", pk, ")");
+  TORCH_CHECK(N >= 1 && panels == (N + 15) / 16, what, ": N does not match the packed weight");
+  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
+              what, ": out_dtype must be float32 or bfloat16");
+  return p;
+}
+
 }  // namespace
 }  // namespace quant_detail
 
@@ -986,16 +993,9 @@ std::vector<torch::Tensor> quant_pack(torch::Tensor raw, int64_t type) {
 torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                            c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype) {
   using namespace quant_detail;
-  const QuantType& t = checked_type(type, "quant_linear");
-  int64_t pk, panels;
-  const torch::Tensor& p = checked_packed(packed, t, "quant_linear", pk, panels);
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K && pk == K,
-              "quant_linear: x must be [M, K] with contiguous rows, K the packed weight's (", pk, ")");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "quant_linear: x must be float32 or bfloat16");
-  TORCH_CHECK(N >= 1 && panels == (N + 15) / 16, "quant_linear: N does not match the packed weight");
-  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
-              "quant_linear: out_dtype must be float32 or bfloat16");
+  const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear");
   const int64_t M = x.size(0);
   auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
   torch::Tensor bf;
@@ -1030,15 +1030,8 @@ bool has_quant_bf16() {
 torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                                 c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype) {
   using namespace quant_detail;
-  const QuantType& t = checked_type(type, "quant_linear_bf16");
-  int64_t pk, panels;
-  const torch::Tensor& p = checked_packed(packed, t, "quant_linear_bf16", pk, panels);
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K && pk == K,
-              "quant_linear_bf16: x must be [M, K] with contiguous rows, K the packed weight's (", pk, ")");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_linear_bf16: x must be bfloat16");
-  TORCH_CHECK(N >= 1 && panels == (N + 15) / 16, "quant_linear_bf16: N does not match the packed weight");
-  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16,
-              "quant_linear_bf16: out_dtype must be float32 or bfloat16");
+  const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_bf16");
   torch::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "quant_linear_bf16: bias must have N elements");
