@@ -90,6 +90,9 @@ class EngineConfig:
         "Q8_0, Q4_K, Q5_K, Q6_K; needs the C++ kernels); off: dequantize at load into the model's dtype")
     decode_stack: bool = _env_knob(
         "decode_stack", "decode steps of up to 4 sequences run every layer in one C++ call")
+    amx: bool = _env_knob(
+        "amx", "bf16 matmuls over GGUF blocks on AMX tiles (CPUs with AMX; the whole process); off: AVX512-BF16 "
+        "pair dot products")
     fixed_matmuls: bool | None = _env_knob(
         "fixed_matmuls", "every matmul on pagedserve's fixed-order C++ matmul (batch-invariant); default: "
         "on CPUs without AVX-512, where it is the fastest")

@@ -41,13 +41,18 @@ class CpuKernels:
     quant_types: frozenset[int] = frozenset()
     # quant_linear_bf16: bf16 activations against the blocks' weights rounded to bf16 (AVX512-BF16 builds).
     quant_bf16: bool = False
+    # quant_linear_bf16 runs on AMX tiles (AMX CPUs, switched on, granted by the OS): a process-wide route,
+    # set at build (other bits than the vdpbf16ps route, so one route serves every row count).
+    quant_amx: bool = False
 
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
-              decode_stack: bool = True, fixed_matmuls: bool | None = None) -> CpuKernels | None:
+              decode_stack: bool = True, fixed_matmuls: bool | None = None,
+              amx: bool = True) -> CpuKernels | None:
         ext = load_extension(arch)
         if ext is None:
             return None
+        quant_amx = ext.set_quant_amx(amx)
         gguf = gguf_gemv and ext.has_gguf_gemv()
         return cls(
             ext=ext,
@@ -60,6 +65,7 @@ class CpuKernels:
             fixed_matmuls=(not ext.has_avx512()) if fixed_matmuls is None else fixed_matmuls,
             quant_types=frozenset(ext.quant_types()),
             quant_bf16=ext.has_quant_bf16(),
+            quant_amx=quant_amx,
         )
 
     @classmethod
@@ -69,7 +75,8 @@ class CpuKernels:
         if not config.use_cpp_kernels or config.attention_backend == "torch_ref" or config.device != "cpu":
             return None
         return cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
-                         decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls)
+                         decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
+                         amx=config.amx)
 
     def replace(self, **changes: Any) -> CpuKernels:
         """A copy with some capabilities switched off (tests and benchmarks compare paths this way)."""
@@ -127,7 +134,8 @@ class CpuKernels:
 
     def quant_linear_bf16(self, x, packed, type_id: int, n: int, bias, out_dtype):
         """bf16 x [M, K] @ Wb.T (+ bias), Wb the dequantized weight rounded to bf16 (as a bf16 model holds it):
-        one AVX512-BF16 pair-dot chain per output, the same bits whatever M (needs `quant_bf16`)."""
+        one AVX512-BF16 pair-dot chain (AMX: one TDPBF16PS chain, see `quant_amx`) per output, the same bits
+        whatever M (needs `quant_bf16`)."""
         return self.ext.quant_linear_bf16(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
 
     def quant_embedding(self, ids, packed, type_id: int, k: int, out_dtype):

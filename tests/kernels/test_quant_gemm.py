@@ -152,14 +152,35 @@ needs_bf16 = pytest.mark.skipif("not __import__('pagedserve.kernels', fromlist=[
                                 ".has_quant_bf16()", reason="quant_linear_bf16 needs an AVX512-BF16 build")
 
 
+def _amx_active() -> bool:
+    return bool(__import__("pagedserve.kernels", fromlist=["x"]).load_extension("native").quant_amx_active())
+
+
+# quant_linear_bf16's two routes: vdpbf16ps chains (every AVX512-BF16 build) and AMX tiles (where the CPU has AMX).
+BF16_ROUTES = [pytest.param(False, id="vdpbf16ps"),
+               pytest.param(True, id="amx", marks=pytest.mark.skipif("not _amx_active()",
+                                                                    reason="no AMX on this CPU (or not granted)"))]
+
+
+@pytest.fixture
+def bf16_route(kernels, request):
+    """Runs the test on one quant_linear_bf16 route (process-wide switch), then restores the default."""
+    before = kernels.ext.quant_amx_active()
+    assert kernels.ext.set_quant_amx(request.param) == request.param
+    yield request.param
+    kernels.ext.set_quant_amx(True)
+    assert kernels.ext.quant_amx_active() == before
+
+
 @needs_bf16
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
-def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernels, threads, qtype):
+def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernels, threads, bf16_route, qtype):
     """quant_linear_bf16 multiplies bf16 x by gguf-py's weights rounded to nearest-even bf16 (what a bf16
     model dequantized at load holds), float32 sums: within float32 summation error of that product in float64,
     and far from the product with the unrounded weights. A row's bits depend on nothing else: not on the row
-    count (the register GEMV of 1-4 rows and the buffered tiles of more give the same chains), the thread
-    count, the row stride or the bias."""
+    count (the register GEMV of 1-4 rows and the buffered tiles of more give the same chains; on AMX, tiles
+    configured to 1-16 rows, streamed or buffered weights), the thread count, the row stride or the bias."""
     n, k = 77, k_for(qtype) * 2  # 5 panels: a partial group of 4, a partial last panel
     raw = random_blocks(qtype, n, k, seed=21)
     w = dequantize(raw, qtype)
@@ -175,7 +196,7 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
     assert (full.double() - ref).abs().max() <= 1e-5 * scale
     unrounded = x.double() @ w.double().t() + bias.double()
     assert (full.double() - unrounded).abs().max() > 1e-4 * scale  # the weights really are bf16
-    for m in (1, 2, 3, 4, 5, 6, 7, 13, 64, 300):
+    for m in (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 31, 32, 33, 64, 300):
         for t in (1, 2):
             torch.set_num_threads(t)
             y = kernels.quant_linear_bf16(x[:m], packed, int(qtype), n, bias, torch.float32)
@@ -184,6 +205,29 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
         assert yb.dtype == torch.bfloat16 and torch.equal(yb, full[:m].to(torch.bfloat16))
     nob = kernels.quant_linear_bf16(x[:5], packed, int(qtype), n, None, torch.float32)
     assert torch.allclose(nob + bias, full[:5], rtol=0, atol=1e-5 * float(scale))
+
+
+@pytest.mark.skipif("not _amx_active()", reason="no AMX on this CPU (or not granted)")
+def test_amx_route_is_the_default_where_amx_is_and_can_be_switched(kernels):
+    """Where the CPU has AMX, quant_linear_bf16 runs on tiles by default (its bits are TDPBF16PS's sums, not the
+    vdpbf16ps chain's: the switch really changes the route), and set_quant_amx(False) goes back to vdpbf16ps."""
+    qtype = Q.Q4_1
+    n, k = 64, 4096
+    raw = random_blocks(qtype, n, k, seed=31)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    assert kernels.ext.quant_amx_active()
+    amx = kernels.quant_linear_bf16(x, packed, int(qtype), n, None, torch.float32)
+    try:
+        assert not kernels.ext.set_quant_amx(False)
+        vdp = kernels.quant_linear_bf16(x, packed, int(qtype), n, None, torch.float32)
+    finally:
+        assert kernels.ext.set_quant_amx(True)
+    assert not torch.equal(amx, vdp)
+    ref = x.double() @ dequantize(raw, qtype).to(torch.bfloat16).double().t()
+    scale = (x.double().abs() @ dequantize(raw, qtype).abs().double().t()).max()
+    for y in (amx, vdp):
+        assert (y.double() - ref).abs().max() <= 1e-5 * scale
 
 
 @needs_bf16

@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -42,7 +43,14 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define PAGEDSERVE_QUANT_AVX2 1
+#endif
+// AMX tiles for quant_linear_bf16 (built only where its vdpbf16ps route is too: see there).
+#if defined(PAGEDSERVE_QUANT_AVX2) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__)
+#define PAGEDSERVE_QUANT_AMX 1
 #endif
 
 namespace pagedserve {
@@ -620,6 +628,24 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
   });
 }
 
+// Whether quant_linear_bf16 runs on AMX tiles in this process: built with AMX, not switched off, and the kernel
+// granted this process the tile data state (Linux asks for it once: arch_prctl ARCH_REQ_XCOMP_PERM).
+std::atomic<bool> g_quant_amx{true};
+
+bool amx_granted() {
+#ifdef PAGEDSERVE_QUANT_AMX
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+inline bool use_amx() { return g_quant_amx.load(std::memory_order_relaxed) && amx_granted(); }
+
 // ---- bf16 weights (AVX512-BF16): quant_linear_bf16 -------------------------------------------------------
 //
 // A bf16 model computes with bf16 weights, as transformers does when it loads a GGUF in bfloat16: each weight
@@ -646,27 +672,15 @@ inline __m512i pair_bf16(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
   return _mm512_permutexvar_epi16(idx, both);
 }
 
+// The bf16 weights of the 32-k sub-block at k0 of one panel into out[(k - k0) / 2 * 32 + 2 r + k % 2] (16 pair
+// vectors, 1 KB: one AMX B tile).
+template <int64_t T>
+inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out);
+
 // The bf16 weights of one panel, all of K, into out[(k / 2) * 32 + 2 r + k % 2].
 template <int64_t T>
 void widen_panel_bf16(const uint8_t* panel, int64_t K, uint16_t* out) {
-  constexpr QuantType t = quant_type(T);
-  constexpr int64_t pbb = 16 * t.block_bytes;
-  for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    Widen<T> wd;
-    wd.init(panel + (k0 / t.block_size) * pbb, static_cast<int>((k0 % t.block_size) / 32));
-    __m256 a0, a1, b0, b1;
-    uint16_t* o = out + k0 * 16;
-    for (int i = 0; i < 16; i += 2) {
-      wd.template get<false>(i, a0, a1);
-      wd.template get<false>(i + 1, b0, b1);
-      _mm512_storeu_si512(o + i * 16, pair_bf16(a0, a1, b0, b1));
-    }
-    for (int i = 0; i < 16; i += 2) {
-      wd.template get<true>(i, a0, a1);
-      wd.template get<true>(i + 1, b0, b1);
-      _mm512_storeu_si512(o + (16 + i) * 16, pair_bf16(a0, a1, b0, b1));
-    }
-  }
+  for (int64_t k0 = 0; k0 < K; k0 += 32) widen_sub_bf16<T>(panel, k0, out + k0 * 16);
 }
 
 // acc[r][p] = chain over the k pairs of x[r] (bf16, row stride xs) . buf panel p; R rows, P panels.
@@ -811,6 +825,32 @@ struct FastPairs {
   }
 };
 
+template <int64_t T>
+inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out) {
+  constexpr QuantType t = quant_type(T);
+  constexpr int64_t pbb = 16 * t.block_bytes;
+  if constexpr (FastPairs<T>::kOk) {
+    FastPairs<T> fp;
+    fp.init(panel + (k0 / 32) * pbb);
+    PAGEDSERVE_UNROLL
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.get(j));
+  } else {
+    Widen<T> wd;
+    wd.init(panel + (k0 / t.block_size) * pbb, static_cast<int>((k0 % t.block_size) / 32));
+    __m256 a0, a1, b0, b1;
+    for (int i = 0; i < 16; i += 2) {
+      wd.template get<false>(i, a0, a1);
+      wd.template get<false>(i + 1, b0, b1);
+      _mm512_storeu_si512(out + i * 16, pair_bf16(a0, a1, b0, b1));
+    }
+    for (int i = 0; i < 16; i += 2) {
+      wd.template get<true>(i, a0, a1);
+      wd.template get<true>(i + 1, b0, b1);
+      _mm512_storeu_si512(out + (16 + i) * 16, pair_bf16(a0, a1, b0, b1));
+    }
+  }
+}
+
 template <int64_t T, int R, int P>
 void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
   constexpr QuantType t = quant_type(T);
@@ -868,9 +908,203 @@ inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8
   }
 }
 
+// ---- the same weights on AMX tiles (Sapphire Rapids and later): quant_linear_bf16 where AMX is ---------------
+//
+// The pair buffer above is AMX's B tile layout as it is: rows = k pairs, 16 columns of (k, k+1) bf16 pairs. So
+// a 32-k step of one panel is one B tile (1 KB), 16 rows of x over the same 32 k are one A tile (read in place,
+// row stride xs) and TDPBF16PS adds their product into a 16 x 16 float32 C tile. Every output is the chain of
+// TDPBF16PS steps over k = 0, 32, 64, ... in order, started at 0 -- whatever M, the row's place in a tile, the
+// tile's rows or the thread count -- so the route is batch-invariant as the vdpbf16ps one is. Its bits are not
+// the vdpbf16ps chain's (TDPBF16PS sums a step's 32 products its own way; no order of FMAs reproduces it, checked
+// on a Sapphire Rapids), so a process uses one route for every row count: AMX where the CPU has it and the
+// kernel grants the tile state (amx_active), else vdpbf16ps. set_quant_amx(false) forces the latter.
+//
+// Tiles: C 0-3 (row tile a, panel b at 2 a + b), A 4-5, B 6-7. A and C tiles have `rows` rows (1-16): a block
+// of rows below 16 is configured to its size instead of padded.
+#ifdef PAGEDSERVE_QUANT_AMX
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_config(int rows) {
+  TileConfig c;
+  for (int i = 0; i < 6; ++i) {
+    c.rows[i] = static_cast<uint8_t>(rows);
+    c.colsb[i] = 64;
+  }
+  c.rows[6] = c.rows[7] = 16;
+  c.colsb[6] = c.colsb[7] = 64;
+  // GCC 12 does not see ldtilecfg read the struct and drops the stores above without this barrier (seen here:
+  // a zero configuration, then a #GP).
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// Sets the tile configuration for `rows` when it changes; releases the tiles when the task ends.
+struct AmxTiles {
+  int rows = 0;
+  inline void use(int r) {
+    if (r != rows) {
+      amx_config(r);
+      rows = r;
+    }
+  }
+  ~AmxTiles() {
+    if (rows) _tile_release();
+  }
+};
+
+// C tiles (RT row tiles x PT panels) = x rows . buf panels over all of K, stored into acc (row stride as floats).
+// buf: PT panels of K * 16 bf16 each (the pair layout); x: RT * rows rows of bf16 (row stride xs).
+template <int RT, int PT>
+inline void amx_block(const uint16_t* x, int64_t xs, int rows, const uint16_t* buf, int64_t K, float* acc,
+                      int64_t as) {
+  _tile_zero(0);
+  if constexpr (PT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && PT > 1) _tile_zero(3);
+  const int64_t xb = xs * 2, ps = K * 16;
+  const uint16_t* x1 = x + rows * xs;
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    _tile_loadd(6, buf + k0 * 16, 64);
+    _tile_loadd(4, x + k0, xb);
+    if constexpr (PT > 1) _tile_loadd(7, buf + ps + k0 * 16, 64);
+    if constexpr (RT > 1) _tile_loadd(5, x1 + k0, xb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT > 1 && PT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  const int64_t cb = as * 4;
+  _tile_stored(0, acc, cb);
+  if constexpr (PT > 1) _tile_stored(1, acc + 16, cb);
+  if constexpr (RT > 1) _tile_stored(2, acc + rows * as, cb);
+  if constexpr (RT > 1 && PT > 1) _tile_stored(3, acc + rows * as + 16, cb);
+}
+
+inline void amx_block_any(int RT, int PT, const uint16_t* x, int64_t xs, int rows, const uint16_t* buf, int64_t K,
+                          float* acc, int64_t as) {
+  if (RT > 1) {
+    if (PT > 1) amx_block<2, 2>(x, xs, rows, buf, K, acc, as); else amx_block<2, 1>(x, xs, rows, buf, K, acc, as);
+  } else {
+    if (PT > 1) amx_block<1, 2>(x, xs, rows, buf, K, acc, as); else amx_block<1, 1>(x, xs, rows, buf, K, acc, as);
+  }
+}
+
+// Up to 16 rows (M of them: the tiles are configured to M rows) against P panels, the weights widened one 32-k
+// step at a time into a B tile buffer (two, alternating, so a widening does not wait on the last tile load).
+template <int64_t T, int P>
+void gemv_amx(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc,
+              int64_t as) {
+  constexpr QuantType t = quant_type(T);
+  constexpr int64_t step_bytes = 16 * t.block_bytes * 32 / t.block_size;
+  alignas(64) uint16_t bb[2][P][16 * 32];
+  _tile_zero(0);
+  if constexpr (P > 1) _tile_zero(1);
+  const int64_t xb = xs * 2;
+  for (int64_t k0 = 0, i = 0; k0 < K; k0 += 32, ++i) {
+    uint16_t(*b)[16 * 32] = bb[i & 1];
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) {
+      const char* ahead = reinterpret_cast<const char*>(panel + p * pstride + (k0 / 32) * step_bytes) + kPrefetch;
+      for (int64_t off = 0; off < step_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      widen_sub_bf16<T>(panel + p * pstride, k0, b[p]);
+    }
+    _tile_loadd(4, x + k0, xb);
+    _tile_loadd(6, b[0], 64);
+    if constexpr (P > 1) _tile_loadd(7, b[1], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (P > 1) _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_stored(0, acc, as * 4);
+  if constexpr (P > 1) _tile_stored(1, acc + 16, as * 4);
+}
+
+constexpr int64_t kAmxGemvRows = 16;  // up to here: one row tile, weights streamed
+
+template <int64_t T, typename OT>
+void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
+                    int64_t K) {
+  constexpr QuantType t = quant_type(T);
+  const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
+  if (M <= kAmxGemvRows) {
+    const int64_t groups = (panels + 1) / 2;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      AmxTiles tiles;
+      tiles.use(static_cast<int>(M));
+      alignas(64) float acc[kAmxGemvRows * 32];
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * 2;
+        const int np = static_cast<int>(std::min<int64_t>(2, panels - p0));
+        if (np == 2) {
+          gemv_amx<T, 2>(x, xs, w + p0 * pstride, pstride, K, acc, 32);
+        } else {
+          gemv_amx<T, 1>(x, xs, w + p0 * pstride, pstride, K, acc, 32);
+        }
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * 16;
+          write_rows(acc + j * 16, 32, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
+        }
+      }
+    });
+    return;
+  }
+  // Many rows: work items of (a group of 4 panels, a block of ~384 KB of x rows), the group widened once per
+  // item run (consecutive items of a thread share the group), then 32 x 32 blocks of C tiles over it.
+  const int64_t groups = (panels + kBfPanels - 1) / kBfPanels;
+  const int64_t MB = std::max<int64_t>(32, (393216 / (2 * K)) / 32 * 32);
+  const int64_t mblocks = (M + MB - 1) / MB;
+  at::parallel_for(0, groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint16_t> wbuf(kBfPanels * K * 16 + 32);
+    uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float acc[32 * kBfPanels * 16];
+    constexpr int64_t as = kBfPanels * 16;
+    AmxTiles tiles;
+    int64_t widened = -1;
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t g = it / mblocks, m0 = (it % mblocks) * MB, mb = std::min(MB, M - m0);
+      const int64_t p0 = g * kBfPanels;
+      const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
+      if (widened != g) {
+        for (int j = 0; j < np; ++j) widen_panel_bf16<T>(w + (p0 + j) * pstride, K, buf + j * K * 16);
+        widened = g;
+      }
+      for (int64_t r0 = 0; r0 < mb;) {
+        // two full row tiles, one, or the last rows (below 16) alone
+        const int64_t left = mb - r0;
+        const int rows = static_cast<int>(std::min<int64_t>(16, left));
+        const int RT = left >= 32 ? 2 : 1;
+        tiles.use(rows);
+        for (int j = 0; j < np; j += 2) {
+          const int PT = std::min(2, np - j);
+          amx_block_any(RT, PT, x + (m0 + r0) * xs, xs, rows, buf + j * K * 16, K, acc + j * 16, as);
+        }
+        const int64_t R = RT * rows;
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * 16;
+          write_rows(acc + j * 16, as, R, bias, y + (m0 + r0) * N, N, n0, std::min<int64_t>(16, N - n0));
+        }
+        r0 += R;
+      }
+    }
+  });
+}
+#endif
+
+
 template <int64_t T, typename OT>
 void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
                      int64_t K) {
+#ifdef PAGEDSERVE_QUANT_AMX
+  if (use_amx()) {
+    quant_gemm_amx<T, OT>(x, xs, w, bias, y, M, N, K);
+    return;
+  }
+#endif
   constexpr QuantType t = quant_type(T);
   const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
   if (M <= kGemvRows) {
@@ -911,6 +1145,7 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
     }
   });
 }
+
 #endif
 
 // Runs body.template operator()<T>() with the type id as a template argument.
@@ -1022,6 +1257,23 @@ bool has_quant_bf16() {
 #else
   return false;
 #endif
+}
+
+bool has_quant_amx() {
+#ifdef PAGEDSERVE_QUANT_AMX
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Switches quant_linear_bf16's AMX route on or off for this process (tests and benchmarks compare the routes);
+// returns whether it is used now: built, switched on and granted by the kernel.
+bool quant_amx_active() { return has_quant_amx() && quant_detail::use_amx(); }
+
+bool set_quant_amx(bool enabled) {
+  quant_detail::g_quant_amx.store(enabled);
+  return quant_amx_active();
 }
 
 // y = x @ Wb.T (+ bias), Wb the dequantized weight rounded to bf16 (nearest-even); x [M, K] bf16 (contiguous
