@@ -52,7 +52,7 @@ class CpuKernels:
         ext = load_extension(arch)
         if ext is None:
             return None
-        quant_amx = ext.set_quant_amx(amx)
+        quant_amx = ext.set_amx(amx)
         gguf = gguf_gemv and ext.has_gguf_gemv()
         return cls(
             ext=ext,

@@ -24,7 +24,7 @@ SOURCES = [CSRC / f for f in (
     "attention.cpp", "ops.cpp", "gguf_gemv.cpp", "fixed_gemm.cpp", "quant_gemm.cpp", "decode_stack.cpp",
     "bindings.cpp")]
 UNITS = [CSRC / "unit_kernels.cpp", CSRC / "unit_matmul.cpp"]
-HEADERS = [CSRC / f for f in ("common.h", "ops.h", "gguf_layouts.h", "fixed_tile.h")]
+HEADERS = [CSRC / f for f in ("common.h", "ops.h", "gguf_layouts.h", "fixed_tile.h", "amx.h")]
 
 
 def extension_name(arch: str) -> str:

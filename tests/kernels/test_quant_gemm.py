@@ -153,7 +153,7 @@ needs_bf16 = pytest.mark.skipif("not __import__('pagedserve.kernels', fromlist=[
 
 
 def _amx_active() -> bool:
-    return bool(__import__("pagedserve.kernels", fromlist=["x"]).load_extension("native").quant_amx_active())
+    return bool(__import__("pagedserve.kernels", fromlist=["x"]).load_extension("native").amx_active())
 
 
 # quant_linear_bf16's two routes: vdpbf16ps chains (every AVX512-BF16 build) and AMX tiles (where the CPU has AMX).
@@ -165,11 +165,11 @@ BF16_ROUTES = [pytest.param(False, id="vdpbf16ps"),
 @pytest.fixture
 def bf16_route(kernels, request):
     """Runs the test on one quant_linear_bf16 route (process-wide switch), then restores the default."""
-    before = kernels.ext.quant_amx_active()
-    assert kernels.ext.set_quant_amx(request.param) == request.param
+    before = kernels.ext.amx_active()
+    assert kernels.ext.set_amx(request.param) == request.param
     yield request.param
-    kernels.ext.set_quant_amx(True)
-    assert kernels.ext.quant_amx_active() == before
+    kernels.ext.set_amx(True)
+    assert kernels.ext.amx_active() == before
 
 
 @needs_bf16
@@ -210,19 +210,19 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
 @pytest.mark.skipif("not _amx_active()", reason="no AMX on this CPU (or not granted)")
 def test_amx_route_is_the_default_where_amx_is_and_can_be_switched(kernels):
     """Where the CPU has AMX, quant_linear_bf16 runs on tiles by default (its bits are TDPBF16PS's sums, not the
-    vdpbf16ps chain's: the switch really changes the route), and set_quant_amx(False) goes back to vdpbf16ps."""
+    vdpbf16ps chain's: the switch really changes the route), and set_amx(False) goes back to vdpbf16ps."""
     qtype = Q.Q4_1
     n, k = 64, 4096
     raw = random_blocks(qtype, n, k, seed=31)
     packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
-    assert kernels.ext.quant_amx_active()
+    assert kernels.ext.amx_active()
     amx = kernels.quant_linear_bf16(x, packed, int(qtype), n, None, torch.float32)
     try:
-        assert not kernels.ext.set_quant_amx(False)
+        assert not kernels.ext.set_amx(False)
         vdp = kernels.quant_linear_bf16(x, packed, int(qtype), n, None, torch.float32)
     finally:
-        assert kernels.ext.set_quant_amx(True)
+        assert kernels.ext.set_amx(True)
     assert not torch.equal(amx, vdp)
     ref = x.double() @ dequantize(raw, qtype).to(torch.bfloat16).double().t()
     scale = (x.double().abs() @ dequantize(raw, qtype).abs().double().t()).max()

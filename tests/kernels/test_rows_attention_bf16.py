@@ -1,6 +1,7 @@
 """The prefill row kernel for bf16 queries and a bf16 cache (paged_attention_rows on AVX512-BF16 builds:
-flash-style, vdpbf16ps for both matmuls): against float64 attention over the same bf16 values, and still a
-row kernel (a row's bits do not depend on how its prompt is chunked, on the other rows, or on q's stride)."""
+flash-style, vdpbf16ps for both matmuls, or AMX tiles where the CPU has them): against float64 attention over the
+same bf16 values, and still a row kernel (a row's bits do not depend on how its prompt is chunked, on the other
+rows, or on q's stride), on each route."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def cache():
     return kc, vc, torch.randperm(NB, generator=g)
 
 
+@pytest.fixture(params=[pytest.param(False, id="vdpbf16ps"), pytest.param(True, id="amx")])
+def route(ext, request):
+    """The kernel's route for one test (a process-wide switch, restored after)."""
+    if request.param and not ext.set_amx(True):
+        pytest.skip("no AMX on this CPU (or not granted)")
+    assert ext.set_amx(request.param) == request.param
+    yield request.param
+    ext.set_amx(True)
+
+
 def reference(q, kc, vc, bt, seq_lens, qsl):
     outs = []
     for b in range(len(seq_lens)):
@@ -43,10 +54,11 @@ def reference(q, kc, vc, bt, seq_lens, qsl):
     return torch.cat(outs)
 
 
-def test_matches_float64_attention_and_stays_a_row_kernel(ext, cache):
+def test_matches_float64_attention_and_stays_a_row_kernel(ext, cache, route):
     kc, vc, perm = cache
     g = torch.Generator().manual_seed(1)
-    # Sequence 0: 63 cached keys + 37 new rows; sequence 1: a 200-token prompt in one chunk.
+    # Sequence 0: 63 cached keys + 37 new rows; sequence 1: a 200-token prompt in one chunk (an odd number of
+    # 16-key blocks: the AMX route's 32-key blocks end half empty).
     seq_lens, qsl = torch.tensor([100, 200]), torch.tensor([0, 37, 237])
     bt = torch.stack([perm[:16], perm[16:32]]).contiguous()
     q = torch.randn(237, H, D, generator=g).bfloat16()
@@ -61,11 +73,33 @@ def test_matches_float64_attention_and_stays_a_row_kernel(ext, cache):
     assert torch.equal(torch.cat([a, b]), out[37:])
     last = ext.paged_attention_rows(q[236:], kc, vc, one, torch.tensor([200]), torch.tensor([0, 1]), D**-0.5)
     assert torch.equal(last, out[236:])
+    # Chunks that end inside a 16-key block and inside a 32-key block, and a row alone in its tile.
+    cuts = [0, 3, 50, 81, 130, 199, 200]
+    parts = [ext.paged_attention_rows(q[37 + lo:37 + hi], kc, vc, one, torch.tensor([hi]), torch.tensor([0, hi - lo]),
+                                      D**-0.5) for lo, hi in zip(cuts, cuts[1:])]
+    assert torch.equal(torch.cat(parts), out[37:])
     # q as a strided view (rows of a wider qkv tensor).
     wide = torch.zeros(237, H * D + 2 * KVH * D, dtype=torch.bfloat16)
     wide[:, : H * D] = q.view(237, -1)
     strided = wide[:, : H * D].view(237, H, D)
     assert torch.equal(ext.paged_attention_rows(strided, kc, vc, bt, seq_lens, qsl, D**-0.5), out)
+
+
+def test_the_routes_differ_only_by_summation(ext, cache):
+    """Where AMX is, its kernel really runs (other bits than vdpbf16ps's) and agrees with it to bf16 rounding."""
+    if not ext.set_amx(True):
+        pytest.skip("no AMX on this CPU (or not granted)")
+    kc, vc, perm = cache
+    q = torch.randn(150, H, D, generator=torch.Generator().manual_seed(3)).bfloat16()
+    bt, seq_lens, qsl = perm[:16].view(1, -1).contiguous(), torch.tensor([250]), torch.tensor([0, 150])
+    amx = ext.paged_attention_rows(q, kc, vc, bt, seq_lens, qsl, D**-0.5)
+    try:
+        ext.set_amx(False)
+        vdp = ext.paged_attention_rows(q, kc, vc, bt, seq_lens, qsl, D**-0.5)
+    finally:
+        ext.set_amx(True)
+    assert not torch.equal(amx, vdp)
+    assert (amx.float() - vdp.float()).abs().max() < 2e-2
 
 
 def test_float32_queries_keep_the_float32_kernel(ext, cache):

@@ -14,8 +14,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 #include "fixed_tile.h"
+#include "ops.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -609,20 +611,34 @@ inline __m512 exp16(__m512 x) {
 // Accumulator lane l of zmm u holds output d = perm(u, l): unpacklo/hi_epi16 interleave within 128-bit lanes.
 inline int64_t lane_d(int64_t u, int64_t l) { return (u / 2) * 32 + (l / 4) * 8 + (u % 2) * 4 + l % 4; }
 
-void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
-         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-         int64_t BS, int64_t W, float scale) {
-  const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row;
-  const int64_t NU = D / 16;          // accumulator zmm per query vector
-  const int64_t kt_words = D / 2 * kKeys;  // uint32 per K block
-  const int64_t vp_words = kKeys / 2 * D;  // uint32 per V block
-  // Layout pass: blocks of every (sequence, kv head).
-  std::vector<int64_t> nblk(B), base(B + 1, 0);
+// Every (sequence, kv head)'s K and V laid out as 16-key blocks (see above): nblk[b] blocks per kv head, a
+// multiple of `multiple` (blocks past the sequence's keys are zeros).
+struct Layout {
+  int64_t kt_words, vp_words;  // uint32 per K block (D / 2 * 16) and per V block (8 * D)
+  std::vector<int64_t> nblk, base;
+  std::vector<uint32_t> kt, vp;
+  const uint32_t* k_blocks(int64_t b, int64_t kvh) const { return kt.data() + (base[b] + kvh * nblk[b]) * kt_words; }
+  const uint32_t* v_blocks(int64_t b, int64_t kvh) const { return vp.data() + (base[b] + kvh * nblk[b]) * vp_words; }
+};
+
+Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables, const int64_t* seq_lens, int64_t B,
+               int64_t KVH, int64_t D, int64_t BS, int64_t W, int64_t multiple) {
+  const int64_t row = KVH * D, block_stride = BS * row;
+  Layout L;
+  L.kt_words = D / 2 * kKeys;
+  L.vp_words = kKeys / 2 * D;
+  L.nblk.resize(B);
+  L.base.assign(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    nblk[b] = (seq_lens[b] + kKeys - 1) / kKeys;
-    base[b + 1] = base[b] + nblk[b] * KVH;
+    const int64_t n = (seq_lens[b] + kKeys - 1) / kKeys;
+    L.nblk[b] = (n + multiple - 1) / multiple * multiple;
+    L.base[b + 1] = L.base[b] + L.nblk[b] * KVH;
   }
-  std::vector<uint32_t> kt(base[B] * kt_words + 16), vp(base[B] * vp_words + 16);
+  L.kt.resize(L.base[B] * L.kt_words + 16);
+  L.vp.resize(L.base[B] * L.vp_words + 16);
+  const std::vector<int64_t>& nblk = L.nblk;
+  const std::vector<int64_t>& base = L.base;
+  const int64_t kt_words = L.kt_words, vp_words = L.vp_words;
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (b, kvh * nblk + jb)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t x = 0; x < nblk[b] * KVH; ++x) blocks.emplace_back(b, x);
@@ -633,8 +649,8 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     for (int64_t i = i0; i < i1; ++i) {
       const auto [b, x] = blocks[i];
       const int64_t kvh = x / nblk[b], jb = x % nblk[b], j0 = jb * kKeys, S = seq_lens[b];
-      uint32_t* kd = kt.data() + (base[b] + x) * kt_words;
-      uint32_t* vd = vp.data() + (base[b] + x) * vp_words;
+      uint32_t* kd = L.kt.data() + (base[b] + x) * kt_words;
+      uint32_t* vd = L.vp.data() + (base[b] + x) * vp_words;
       for (int64_t t = 0; t < kKeys; ++t) {
         if (j0 + t < S) {
           const uint32_t* kr = reinterpret_cast<const uint32_t*>(key_row(kc, b, j0 + t, kvh));
@@ -660,15 +676,36 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
       }
     }
   });
-  // Work items: (sequence, tile of query rows, kv head), dealt round-robin to the threads (causal rows
-  // late in a prompt cost more than early ones).
+  return L;
+}
+
+// Output d of accumulator position i (the V layout's lane order, lane_d).
+inline std::vector<int64_t> d_order(int64_t D) {
+  std::vector<int64_t> dperm(D);
+  for (int64_t u = 0; u < D / 16; ++u)
+    for (int64_t l = 0; l < 16; ++l) dperm[u * 16 + l] = lane_d(u, l);
+  return dperm;
+}
+
+// Work items: (sequence, tile of kTile query rows, kv head), dealt round-robin to the threads (causal rows
+// late in a prompt cost more than early ones).
+inline std::vector<std::tuple<int64_t, int64_t, int64_t>> work_items(const int64_t* qsl, int64_t B, int64_t KVH) {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> items;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = qsl[b]; r < qsl[b + 1]; r += kTile)
       for (int64_t kvh = 0; kvh < KVH; ++kvh) items.emplace_back(b, r, kvh);
-  std::vector<int64_t> dperm(D);
-  for (int64_t u = 0; u < NU; ++u)
-    for (int64_t l = 0; l < 16; ++l) dperm[u * 16 + l] = lane_d(u, l);
+  return items;
+}
+
+void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
+         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+         int64_t BS, int64_t W, float scale) {
+  const int64_t group = H / KVH;
+  const int64_t NU = D / 16;          // accumulator zmm per query vector
+  const Layout L = lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W, 1);
+  const int64_t kt_words = L.kt_words, vp_words = L.vp_words;
+  const auto items = work_items(qsl, B, KVH);
+  const std::vector<int64_t> dperm = d_order(D);
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
@@ -704,8 +741,8 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
           mrow[m] = 0.f;
         }
         const int64_t S_max = first + R;
-        const uint32_t* kblk = kt.data() + (base[b] + kvh * nblk[b]) * kt_words;
-        const uint32_t* vblk = vp.data() + (base[b] + kvh * nblk[b]) * vp_words;
+        const uint32_t* kblk = L.k_blocks(b, kvh);
+        const uint32_t* vblk = L.v_blocks(b, kvh);
         for (int64_t jb = 0; jb * kKeys < S_max; ++jb) {
           const int64_t j0 = jb * kKeys;
           const uint32_t* kd = kblk + jb * kt_words;
@@ -804,6 +841,159 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
 }
 
 }  // namespace rows_bf16
+
+#ifdef PAGEDSERVE_AMX
+// The same row kernel on AMX tiles (Sapphire Rapids and later, where amx_active()): the K and V layouts above
+// are AMX's B tiles as they are (K: rows = d pairs, 16 key columns; V: rows = key pairs, 16 d columns), so
+//   * scores of 16 query vectors x 16 keys are one C tile: TDPBF16PS over the D / 32 chunks of d, in order;
+//   * the online softmax runs over blocks of 32 keys (two layout blocks; absolute: keys 32 j .. 32 j + 31), in
+//     float32 on AVX-512 as above, probabilities rounded to bf16;
+//   * P.V of a block is one fresh C tile per 16 d (one TDPBF16PS over the block's 16 key pairs), then
+//     acc = acc * alpha + pv per vector (one fma).
+// A tile row's sums depend only on that row's operands, and every step above is per query vector in an order
+// fixed by its own context, so this is a row kernel too: a prompt's rows are the same bits chunked or whole,
+// alone or batched (the tests check it). Its bits differ from the vdpbf16ps kernel's; a process runs one of them
+// (amx_active, switched by set_amx).
+namespace rows_amx {
+using rows_bf16::exp16;
+using rows_bf16::kKeys;
+using rows_bf16::kTile;
+constexpr int64_t kBlock = 2 * kKeys;  // keys per softmax block
+
+void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
+         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+         int64_t BS, int64_t W, float scale) {
+  const int64_t group = H / KVH, NU = D / 16;
+  const rows_bf16::Layout L = rows_bf16::lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W, 2);
+  const auto items = rows_bf16::work_items(qsl, B, KVH);
+  const std::vector<int64_t> dperm = rows_bf16::d_order(D);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
+  const int64_t Mp = (kTile * group + 15) / 16 * 16;  // vectors per item, padded to whole row tiles
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    auto aligned = [](auto& v) { return reinterpret_cast<decltype(v.data())>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63)); };
+    std::vector<uint16_t> qv(Mp * D + 32, 0), pv_(Mp * kBlock + 32, 0);
+    std::vector<float> sv(Mp * kBlock + 16, 0.f), ov(Mp * D + 16, 0.f), av(Mp * D + 16, 0.f);
+    std::vector<float> mrow(Mp), lrow(Mp), alpha(Mp);
+    std::vector<int64_t> ctx(Mp);
+    uint16_t* qbuf = aligned(qv);
+    uint16_t* pbuf = aligned(pv_);
+    float* sbuf = aligned(sv);
+    float* obuf = aligned(ov);
+    float* acc = aligned(av);
+    amx::Tiles tiles;
+    tiles.use(16);
+    for (int64_t tid = t0; tid < t1; ++tid) {
+      for (int64_t it = tid; it < n_items; it += nt) {
+        const auto [b, r0, kvh] = items[it];
+        const int64_t R = std::min(qsl[b + 1], r0 + kTile) - r0;
+        const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);  // row i sees first + i + 1
+        const int64_t M = R * group, RT = (M + 15) / 16;
+        for (int64_t m = 0; m < M; ++m) {
+          std::memcpy(qbuf + m * D, q + (r0 + m / group) * qs + (kvh * group + m % group) * D, D * 2);
+          ctx[m] = first + m / group + 1;
+          lrow[m] = mrow[m] = 0.f;
+        }
+        std::memset(qbuf + M * D, 0, (RT * 16 - M) * D * 2);
+        const int64_t S_max = first + R;
+        const uint32_t* kblk = L.k_blocks(b, kvh);
+        const uint32_t* vblk = L.v_blocks(b, kvh);
+        for (int64_t jb = 0; jb * kBlock < S_max; ++jb) {
+          const int64_t j0 = jb * kBlock;
+          const uint32_t* kd = kblk + 2 * jb * L.kt_words;
+          const uint32_t* vd = vblk + 2 * jb * L.vp_words;
+          int64_t m_lo = 0;  // vectors that see some key of this block: [m_lo, M) (rows are in order)
+          while (m_lo < M && ctx[m_lo] <= j0) ++m_lo;
+          const int64_t rt_lo = m_lo / 16;
+          for (int64_t rt = rt_lo; rt < RT; ++rt) {  // scores: C tiles 0, 1 = keys 0-15, 16-31
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t c = 0; c < D / 32; ++c) {
+              _tile_loadd(4, qbuf + rt * 16 * D + c * 32, D * 2);
+              _tile_loadd(6, kd + c * 16 * kKeys, 64);
+              _tile_loadd(7, kd + L.kt_words + c * 16 * kKeys, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+            _tile_stored(0, sbuf + rt * 16 * kBlock, kBlock * 4);
+            _tile_stored(1, sbuf + rt * 16 * kBlock + kKeys, kBlock * 4);
+          }
+          const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+          for (int64_t m = m_lo; m < M; ++m) {  // online softmax of the block's scores
+            const int64_t vis_n = std::min<int64_t>(kBlock, ctx[m] - j0);
+            const uint32_t vis = vis_n >= 32 ? 0xFFFFFFFFu : ((1u << vis_n) - 1u);
+            const __mmask16 v0 = static_cast<__mmask16>(vis), v1 = static_cast<__mmask16>(vis >> 16);
+            const __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + m * kBlock), sc);
+            const __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + m * kBlock + kKeys), sc);
+            const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(v0, ninf, s0),
+                                                                  _mm512_mask_blend_ps(v1, ninf, s1)));
+            const bool fresh = lrow[m] == 0.f;
+            const float mnew = fresh ? bmax : std::max(mrow[m], bmax);
+            const __m512 mv = _mm512_set1_ps(mnew);
+            const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mv)));
+            const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mv)));
+            const float a = fresh ? 0.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(mrow[m] - mnew)));
+            const float psum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            lrow[m] = fresh ? psum : lrow[m] * a + psum;
+            mrow[m] = mnew;
+            alpha[m] = a;
+            _mm512_store_si512(pbuf + m * kBlock, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0..31 in order
+          }
+          for (int64_t rt = rt_lo; rt < RT; ++rt) {  // P.V: C tiles 0-3 = 4 x 16 d at a time
+            _tile_loadd(4, pbuf + rt * 16 * kBlock, kBlock * 2);
+            for (int64_t u0 = 0; u0 < NU; u0 += 4) {
+              const int64_t nu = std::min<int64_t>(4, NU - u0);
+              float* o = obuf + rt * 16 * D + u0 * 16;
+              const uint32_t* v = vd + u0 * 16;
+              _tile_zero(0);
+              _tile_loadd(6, v, D * 4);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_stored(0, o, D * 4);
+              if (nu > 1) {
+                _tile_zero(1);
+                _tile_loadd(7, v + 16, D * 4);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_stored(1, o + 16, D * 4);
+              }
+              if (nu > 2) {
+                _tile_zero(2);
+                _tile_loadd(6, v + 32, D * 4);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_stored(2, o + 32, D * 4);
+              }
+              if (nu > 3) {
+                _tile_zero(3);
+                _tile_loadd(7, v + 48, D * 4);
+                _tile_dpbf16ps(3, 4, 7);
+                _tile_stored(3, o + 48, D * 4);
+              }
+            }
+          }
+          for (int64_t m = m_lo; m < M; ++m) {  // acc = acc * alpha + P.V (the first block: P.V)
+            float* a = acc + m * D;
+            const float* o = obuf + m * D;
+            if (j0 == 0) {
+              std::memcpy(a, o, D * 4);
+            } else {
+              const __m512 al = _mm512_set1_ps(alpha[m]);
+              for (int64_t u = 0; u < NU; ++u)
+                _mm512_store_ps(a + 16 * u, _mm512_fmadd_ps(_mm512_load_ps(a + 16 * u), al, _mm512_load_ps(o + 16 * u)));
+            }
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const float inv = 1.f / lrow[m];
+          const float* a = acc + m * D;
+          uint16_t* o = out + ((r0 + m / group) * H + kvh * group + m % group) * D;
+          for (int64_t i = 0; i < D; ++i) o[dperm[i]] = Elem<uint16_t>::store(a[i] * inv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace rows_amx
+#endif
 }  // namespace pagedserve
 #endif
 
@@ -842,8 +1032,12 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
 #ifdef PAGEDSERVE_ROWS_BF16
   if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 && D % 32 == 0 && D <= 256) {
     auto res = torch::empty({T, H, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
-    rows_bf16::run(ptr<uint16_t>(q), q.stride(0), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), bt, sl, qsl,
-                   ptr<uint16_t>(res), B, H, KVH, D, BS, W, static_cast<float>(scale));
+    auto* run = rows_bf16::run;
+#ifdef PAGEDSERVE_AMX
+    if (amx_active()) run = rows_amx::run;
+#endif
+    run(ptr<uint16_t>(q), q.stride(0), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), bt, sl, qsl, ptr<uint16_t>(res), B,
+        H, KVH, D, BS, W, static_cast<float>(scale));
     return res;
   }
 #endif

@@ -41,11 +41,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
         "x @ W.T (+ bias), W read from quant_pack's blocks: fixed_linear's FMA chains over the dequantized W");
   m.def("has_quant_bf16", &pagedserve::has_quant_bf16, "whether quant_linear_bf16 is built (AVX512-BF16)");
-  m.def("has_quant_amx", &pagedserve::has_quant_amx, "whether quant_linear_bf16's AMX route is built");
-  m.def("quant_amx_active", &pagedserve::quant_amx_active,
-        "whether quant_linear_bf16 runs on AMX tiles in this process (built, on, and granted by the OS)");
-  m.def("set_quant_amx", &pagedserve::set_quant_amx, py::arg("enabled"),
-        "switch quant_linear_bf16's AMX route on/off for this process; returns quant_amx_active()");
+  m.def("has_amx", &pagedserve::has_amx, "whether the AMX routes are built (quant_linear_bf16, bf16 prefill rows)");
+  m.def("amx_active", &pagedserve::amx_active,
+        "whether quant_linear_bf16 and the bf16 prefill row attention run on AMX tiles in this process (built, on, "
+        "and granted by the OS)");
+  m.def("set_amx", &pagedserve::set_amx, py::arg("enabled"),
+        "switch the AMX routes on/off for this process; returns amx_active()");
   m.def("quant_linear_bf16", &pagedserve::quant_linear_bf16, py::arg("x"), py::arg("packed"), py::arg("type_id"),
         py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
         "bf16 x @ Wb.T (+ bias), Wb quant_pack's blocks dequantized and rounded to bf16: one vdpbf16ps (or, where AMX is active, one TDPBF16PS) chain per output");

@@ -31,9 +31,9 @@ std::vector<torch::Tensor> quant_pack(torch::Tensor raw, int64_t type);
 torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                            c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype);
 bool has_quant_bf16();
-bool has_quant_amx();
-bool quant_amx_active();
-bool set_quant_amx(bool enabled);
+bool has_amx();
+bool amx_active();
+bool set_amx(bool enabled);
 torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                                 c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype);
 torch::Tensor quant_embedding(torch::Tensor ids, std::vector<torch::Tensor> packed, int64_t type, int64_t K,

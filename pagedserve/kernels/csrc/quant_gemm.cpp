@@ -43,13 +43,11 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define PAGEDSERVE_QUANT_AVX2 1
 #endif
 // AMX tiles for quant_linear_bf16 (built only where its vdpbf16ps route is too: see there).
-#if defined(PAGEDSERVE_QUANT_AVX2) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && \
-    defined(__AMX_BF16__)
+#include "amx.h"
+#if defined(PAGEDSERVE_QUANT_AVX2) && defined(__AVX512BW__) && defined(PAGEDSERVE_AMX)
 #define PAGEDSERVE_QUANT_AMX 1
 #endif
 
@@ -634,11 +632,7 @@ std::atomic<bool> g_quant_amx{true};
 
 bool amx_granted() {
 #ifdef PAGEDSERVE_QUANT_AMX
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
+  return amx::granted();
 #else
   return false;
 #endif
@@ -917,46 +911,11 @@ inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8
 // tile's rows or the thread count -- so the route is batch-invariant as the vdpbf16ps one is. Its bits are not
 // the vdpbf16ps chain's (TDPBF16PS sums a step's 32 products its own way; no order of FMAs reproduces it, checked
 // on a Sapphire Rapids), so a process uses one route for every row count: AMX where the CPU has it and the
-// kernel grants the tile state (amx_active), else vdpbf16ps. set_quant_amx(false) forces the latter.
+// kernel grants the tile state (amx_active), else vdpbf16ps. set_amx(false) forces the latter.
 //
-// Tiles: C 0-3 (row tile a, panel b at 2 a + b), A 4-5, B 6-7. A and C tiles have `rows` rows (1-16): a block
-// of rows below 16 is configured to its size instead of padded.
+// Tiles (amx.h's configuration): C 0-3 (row tile a, panel b at 2 a + b), A 4-5, B 6-7. A and C tiles have `rows`
+// rows (1-16): a block of rows below 16 is configured to its size instead of padded.
 #ifdef PAGEDSERVE_QUANT_AMX
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void amx_config(int rows) {
-  TileConfig c;
-  for (int i = 0; i < 6; ++i) {
-    c.rows[i] = static_cast<uint8_t>(rows);
-    c.colsb[i] = 64;
-  }
-  c.rows[6] = c.rows[7] = 16;
-  c.colsb[6] = c.colsb[7] = 64;
-  // GCC 12 does not see ldtilecfg read the struct and drops the stores above without this barrier (seen here:
-  // a zero configuration, then a #GP).
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
-}
-
-// Sets the tile configuration for `rows` when it changes; releases the tiles when the task ends.
-struct AmxTiles {
-  int rows = 0;
-  inline void use(int r) {
-    if (r != rows) {
-      amx_config(r);
-      rows = r;
-    }
-  }
-  ~AmxTiles() {
-    if (rows) _tile_release();
-  }
-};
 
 // C tiles (RT row tiles x PT panels) = x rows . buf panels over all of K, stored into acc (row stride as floats).
 // buf: PT panels of K * 16 bf16 each (the pair layout); x: RT * rows rows of bf16 (row stride xs).
@@ -1034,7 +993,7 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
   if (M <= kAmxGemvRows) {
     const int64_t groups = (panels + 1) / 2;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      AmxTiles tiles;
+      amx::Tiles tiles;
       tiles.use(static_cast<int>(M));
       alignas(64) float acc[kAmxGemvRows * 32];
       for (int64_t g = g0; g < g1; ++g) {
@@ -1063,7 +1022,7 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
     uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t(63));
     alignas(64) float acc[32 * kBfPanels * 16];
     constexpr int64_t as = kBfPanels * 16;
-    AmxTiles tiles;
+    amx::Tiles tiles;
     int64_t widened = -1;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t g = it / mblocks, m0 = (it % mblocks) * MB, mb = std::min(MB, M - m0);
@@ -1259,7 +1218,7 @@ bool has_quant_bf16() {
 #endif
 }
 
-bool has_quant_amx() {
+bool has_amx() {
 #ifdef PAGEDSERVE_QUANT_AMX
   return true;
 #else
@@ -1267,13 +1226,13 @@ bool has_quant_amx() {
 #endif
 }
 
-// Switches quant_linear_bf16's AMX route on or off for this process (tests and benchmarks compare the routes);
-// returns whether it is used now: built, switched on and granted by the kernel.
-bool quant_amx_active() { return has_quant_amx() && quant_detail::use_amx(); }
+// Whether the AMX routes (quant_linear_bf16 here, attention.cpp's bf16 prefill rows) run in this process: built,
+// switched on and granted by the kernel. set_amx switches them (tests and benchmarks compare the routes).
+bool amx_active() { return has_amx() && quant_detail::use_amx(); }
 
-bool set_quant_amx(bool enabled) {
+bool set_amx(bool enabled) {
   quant_detail::g_quant_amx.store(enabled);
-  return quant_amx_active();
+  return amx_active();
 }
 
 // y = x @ Wb.T (+ bias), Wb the dequantized weight rounded to bf16 (nearest-even); x [M, K] bf16 (contiguous
