@@ -118,6 +118,9 @@ class BatchedGatherBackend(AttentionBackend):
                 # Prefill chunks: the C++ row kernel (the strict mode's): every row over its own context,
                 # so a prompt's rows come out the same however it is chunked or batched, and the masked
                 # half of causal attention is never computed.
+                if len(groups) == 1:  # every row of the step, in order: q read in place, no copy back
+                    return self.kernels.paged_attention_rows(q, k_cache, v_cache, g.block_tables, g.seq_lens,
+                                                             g.q_start, scale)
                 out[g.out_rows] = self.kernels.paged_attention_rows(
                     q[g.out_rows], k_cache, v_cache, g.block_tables, g.seq_lens, g.q_start, scale)
                 continue

@@ -590,23 +590,7 @@ constexpr int64_t kTile = 16;   // query rows per work item
 constexpr int64_t kVec = 4;     // query vectors whose P.V chains run interleaved
 constexpr int64_t kVecQ = 6;    // query vectors whose score chains run interleaved
 
-// e^x for 16 lanes (x <= 0 here): 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; a few ulp, inline (the
-// same code for every row).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+using pagedserve::exp16;  // common.h
 
 // Accumulator lane l of zmm u holds output d = perm(u, l): unpacklo/hi_epi16 interleave within 128-bit lanes.
 inline int64_t lane_d(int64_t u, int64_t l) { return (u / 2) * 32 + (l / 4) * 8 + (u % 2) * 4 + l % 4; }
@@ -855,7 +839,6 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
 // alone or batched (the tests check it). Its bits differ from the vdpbf16ps kernel's; a process runs one of them
 // (amx_active, switched by set_amx).
 namespace rows_amx {
-using rows_bf16::exp16;
 using rows_bf16::kKeys;
 using rows_bf16::kTile;
 constexpr int64_t kBlock = 2 * kKeys;  // keys per softmax block

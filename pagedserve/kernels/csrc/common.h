@@ -71,11 +71,44 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) {  // round to nearest even, as Elem<uint16_t>::store
+// v rounded to nearest-even bf16, as the top halves of the float32 lanes (Elem<uint16_t>::store's rounding).
+inline __m512i round_bf16_bits(__m512 v) {
   __m512i u = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+}
+inline void store16(uint16_t* p, __m512 v) {  // round to nearest even, as Elem<uint16_t>::store
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(v), 16)));
+}
+// The first n (< 16) lanes only.
+inline __m512 load16(const uint16_t* p, __mmask16 n) {
+  __m256i raw = _mm256_maskz_loadu_epi16(n, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(uint16_t* p, __m512 v, __mmask16 n) {
+  _mm256_mask_storeu_epi16(p, n, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(v), 16)));
+}
+// round_to<uint16_t> on 16 lanes: the bf16 value, widened back to float32.
+inline __m512 round16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(round_bf16_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// e^x for 16 lanes: 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; a few ulp (x clamped below at -87: e^x is 0 to
+// float32 precision there), inline (the same code for every lane and row).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
 }
 #endif
 

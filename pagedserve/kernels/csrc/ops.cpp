@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "common.h"
 
@@ -19,6 +20,27 @@ inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384
 
 template <typename S>
 inline void norm_row(const S* x, const S* w, S* out, int64_t H, float eps) {
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (std::is_same_v<S, uint16_t>) {  // bf16: 16 lanes at a time (the sum of squares in one fixed order)
+    const int64_t H16 = H / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (H - H16)) - 1u);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H16; i += 16) {
+      const __m512 v = load16(x + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    if (tail) {
+      const __m512 v = load16(x + H16, tail);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(H) + eps);
+    const __m512 rv = _mm512_set1_ps(r);
+    for (int64_t i = 0; i < H16; i += 16)  // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
+      store16(out + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(x + i), rv))));
+    if (tail) store16(out + H16, _mm512_mul_ps(load16(w + H16, tail), round16(_mm512_mul_ps(load16(x + H16, tail), rv))), tail);
+    return;
+  }
+#endif
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < H; ++i) {
@@ -71,8 +93,14 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
       for (int64_t t = b; t < e; ++t) {
         S* xr = xp + t * H;
         S* rr = rp + t * H;
+        int64_t i0 = 0;
+#ifdef PAGEDSERVE_AVX512
+        if constexpr (std::is_same_v<S, uint16_t>) {
+          for (; i0 + 16 <= H; i0 += 16) store16(rr + i0, _mm512_add_ps(load16(xr + i0), load16(rr + i0)));
+        }
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < H; ++i) rr[i] = Elem<S>::store(Elem<S>::load(xr[i]) + Elem<S>::load(rr[i]));
+        for (int64_t i = i0; i < H; ++i) rr[i] = Elem<S>::store(Elem<S>::load(xr[i]) + Elem<S>::load(rr[i]));
         norm_row<S>(rr, wp, xr, H, static_cast<float>(eps));
       }
     });
@@ -144,8 +172,20 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
         const S* g = in + t * gs;
         const S* u = g + I;
         S* o = op + t * I;
+        int64_t i0 = 0;
+#ifdef PAGEDSERVE_AVX512
+        if constexpr (std::is_same_v<S, uint16_t>) {  // bf16: 16 lanes at a time, exp16 (common.h) for e^-x
+          const __m512 one = _mm512_set1_ps(1.f), cap = _mm512_set1_ps(80.f);
+          for (; i0 + 16 <= I; i0 += 16) {
+            const __m512 x = load16(g + i0);
+            const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), cap));
+            const __m512 act = round16(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+            store16(o + i0, _mm512_mul_ps(act, load16(u + i0)));
+          }
+        }
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < I; ++i) {
+        for (int64_t i = i0; i < I; ++i) {
           const float x = Elem<S>::load(g[i]);
           // Clamped so exp stays finite (the kernels are built with -ffast-math): silu(x) ~ -0 there anyway.
           const float act = round_to<S>(x / (1.f + expf(std::min(-x, 80.f))));
