@@ -110,3 +110,27 @@ def test_float32_queries_keep_the_float32_kernel(ext, cache):
     out = ext.paged_attention_rows(q, kc, vc, bt, seq_lens, qsl, D**-0.5)
     assert out.dtype == torch.float32
     assert (out.double() - reference(q, kc, vc, bt, seq_lens, qsl)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 128), (8, 1, 32), (2, 2, 64)], ids=["d128-gqa2", "d32-mqa8", "d64-mha"])
+def test_other_head_shapes(ext, route, shape):
+    """Head sizes and GQA groups other than the bundled model's: the AMX kernel keeps O^T in tile registers only for
+    D = 64 and in memory otherwise; both still match float64 attention and stay row kernels."""
+    global H, KVH, D
+    saved = H, KVH, D
+    H, KVH, D = shape
+    try:
+        g = torch.Generator().manual_seed(4)
+        kc = torch.randn(40, BS, KVH, D, generator=g).bfloat16()
+        vc = torch.randn(40, BS, KVH, D, generator=g).bfloat16()
+        bt = torch.randperm(40, generator=g)[:12].view(1, -1).contiguous()
+        q = torch.randn(150, H, D, generator=g).bfloat16()
+        seq_lens, qsl = torch.tensor([170]), torch.tensor([0, 150])  # 20 cached keys + 150 new rows
+        out = ext.paged_attention_rows(q, kc, vc, bt, seq_lens, qsl, D**-0.5)
+        err = (out.double() - reference(q, kc, vc, bt, seq_lens, qsl)).abs()
+        assert err.max() < 2e-2 and err.mean() < 1e-3
+        a = ext.paged_attention_rows(q[:67], kc, vc, bt, torch.tensor([87]), torch.tensor([0, 67]), D**-0.5)
+        b = ext.paged_attention_rows(q[67:], kc, vc, bt, torch.tensor([170]), torch.tensor([0, 83]), D**-0.5)
+        assert torch.equal(torch.cat([a, b]), out)
+    finally:
+        H, KVH, D = saved

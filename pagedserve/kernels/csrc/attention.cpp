@@ -827,43 +827,76 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
 }  // namespace rows_bf16
 
 #ifdef PAGEDSERVE_AMX
-// The same row kernel on AMX tiles (Sapphire Rapids and later, where amx_active()): the K and V layouts above
-// are AMX's B tiles as they are (K: rows = d pairs, 16 key columns; V: rows = key pairs, 16 d columns), so
-//   * scores of 16 query vectors x 16 keys are one C tile: TDPBF16PS over the D / 32 chunks of d, in order;
-//   * the online softmax runs over blocks of 32 keys (two layout blocks; absolute: keys 32 j .. 32 j + 31), in
-//     float32 on AVX-512 as above, probabilities rounded to bf16;
-//   * P.V of a block is one fresh C tile per 16 d (one TDPBF16PS over the block's 16 key pairs), then
-//     acc = acc * alpha + pv per vector (one fma).
-// A tile row's sums depend only on that row's operands, and every step above is per query vector in an order
-// fixed by its own context, so this is a row kernel too: a prompt's rows are the same bits chunked or whole,
-// alone or batched (the tests check it). Its bits differ from the vdpbf16ps kernel's; a process runs one of them
-// (amx_active, switched by set_amx).
+// The same row kernel on AMX tiles (Sapphire Rapids and later, where amx_active()), transposed so that a vector
+// register holds 16 query vectors (one lane each) and the online softmax needs no horizontal reductions:
+//   * per (sequence, kv head), K is laid out in rows [32-key block][32 keys][D] and V transposed [block][D][32 keys]
+//     (zeros past the sequence's last key);
+//   * 16 query vectors at a time (one tile: their q as (d, d + 1) pairs, [d / 2][16 vectors]): the scores of a block
+//     are S^T [32 keys][16 vectors], two C tiles of TDPBF16PS over the D / 32 chunks of d, in order;
+//   * online softmax over absolute 32-key blocks, lane-wise on AVX-512 (max over the block's keys, exp16, masked
+//     past each vector's context), probabilities rounded to bf16 as (key 2 t, 2 t + 1) pairs: P^T, a B tile;
+//   * O^T [D][16 vectors] += V^T P^T (one TDPBF16PS per 16 d). For D = 64 the four O^T tiles stay in tile registers
+//     across blocks; when some vector's max grows they are stored, scaled by each vector's e^(m_old - m_new) (1.0
+//     exactly for the others) and reloaded. Other D keep O^T in memory: acc = acc * alpha + P.V per block.
+// A tile column's sums depend only on that vector's operands, and every step above is per vector in an order fixed
+// by its own context (a block it does not see leaves it unchanged: p = 0, alpha = 1), so this is a row kernel too: a
+// prompt's rows are the same bits chunked or whole, alone or batched (the tests check it). Its bits differ from the
+// vdpbf16ps kernel's; a process runs one of them (amx_active, switched by set_amx).
 namespace rows_amx {
-using rows_bf16::kKeys;
 using rows_bf16::kTile;
-constexpr int64_t kBlock = 2 * kKeys;  // keys per softmax block
+constexpr int64_t kBlock = 32;  // keys per softmax block
 
 void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
          const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
          int64_t BS, int64_t W, float scale) {
-  const int64_t group = H / KVH, NU = D / 16;
-  const rows_bf16::Layout L = rows_bf16::lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W, 2);
+  const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row, blk = kBlock * D;
+  std::vector<int64_t> nb(B), base(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    nb[b] = (seq_lens[b] + kBlock - 1) / kBlock;
+    base[b + 1] = base[b] + nb[b] * KVH;
+  }
+  std::vector<uint16_t> kr(base[B] * blk + 64), vt(base[B] * blk + 64);
+  auto aligned16 = [](std::vector<uint16_t>& v) {
+    return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+  };
+  uint16_t* K0 = aligned16(kr);
+  uint16_t* V0 = aligned16(vt);
+  auto cache_row = [&](const uint16_t* cache, int64_t b, int64_t j, int64_t kvh) {
+    return cache + block_tables[b * W + j / BS] * block_stride + (j % BS) * row + kvh * D;
+  };
+  at::parallel_for(0, base[B], 4, [&](int64_t i0, int64_t i1) {  // the layout pass, one 32-key block at a time
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = std::upper_bound(base.begin(), base.end(), i) - base.begin() - 1;
+      const int64_t x = i - base[b], kvh = x / nb[b], j0 = (x % nb[b]) * kBlock, S = seq_lens[b];
+      uint16_t* kd = K0 + i * blk;
+      uint16_t* vd = V0 + i * blk;
+      for (int64_t t = 0; t < kBlock; ++t) {
+        const int64_t j = j0 + t;
+        if (j < S) {
+          std::memcpy(kd + t * D, cache_row(kc, b, j, kvh), D * 2);
+          const uint16_t* v = cache_row(vc, b, j, kvh);
+          for (int64_t d = 0; d < D; ++d) vd[d * kBlock + t] = v[d];
+        } else {
+          std::memset(kd + t * D, 0, D * 2);
+          for (int64_t d = 0; d < D; ++d) vd[d * kBlock + t] = 0;
+        }
+      }
+    }
+  });
   const auto items = rows_bf16::work_items(qsl, B, KVH);
-  const std::vector<int64_t> dperm = rows_bf16::d_order(D);
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
-  const int64_t Mp = (kTile * group + 15) / 16 * 16;  // vectors per item, padded to whole row tiles
+  const bool resident = D == 64;  // O^T in tiles 0-3 across blocks
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    auto aligned = [](auto& v) { return reinterpret_cast<decltype(v.data())>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63)); };
-    std::vector<uint16_t> qv(Mp * D + 32, 0), pv_(Mp * kBlock + 32, 0);
-    std::vector<float> sv(Mp * kBlock + 16, 0.f), ov(Mp * D + 16, 0.f), av(Mp * D + 16, 0.f);
-    std::vector<float> mrow(Mp), lrow(Mp), alpha(Mp);
-    std::vector<int64_t> ctx(Mp);
-    uint16_t* qbuf = aligned(qv);
-    uint16_t* pbuf = aligned(pv_);
-    float* sbuf = aligned(sv);
-    float* obuf = aligned(ov);
-    float* acc = aligned(av);
+    alignas(64) uint32_t qT[(256 / 2) * 16];
+    alignas(64) float sT[kBlock * 16];
+    alignas(64) uint32_t pT[16 * 16];
+    alignas(64) float pv[256 * 16];
+    alignas(64) float acc[256 * 16];
+    alignas(64) int32_t ctx_l[16];
+    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                              21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), scv = _mm512_set1_ps(scale);
     amx::Tiles tiles;
     tiles.use(16);
     for (int64_t tid = t0; tid < t1; ++tid) {
@@ -871,104 +904,125 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
         const auto [b, r0, kvh] = items[it];
         const int64_t R = std::min(qsl[b + 1], r0 + kTile) - r0;
         const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);  // row i sees first + i + 1
-        const int64_t M = R * group, RT = (M + 15) / 16;
-        for (int64_t m = 0; m < M; ++m) {
-          std::memcpy(qbuf + m * D, q + (r0 + m / group) * qs + (kvh * group + m % group) * D, D * 2);
-          ctx[m] = first + m / group + 1;
-          lrow[m] = mrow[m] = 0.f;
-        }
-        std::memset(qbuf + M * D, 0, (RT * 16 - M) * D * 2);
-        const int64_t S_max = first + R;
-        const uint32_t* kblk = L.k_blocks(b, kvh);
-        const uint32_t* vblk = L.v_blocks(b, kvh);
-        for (int64_t jb = 0; jb * kBlock < S_max; ++jb) {
-          const int64_t j0 = jb * kBlock;
-          const uint32_t* kd = kblk + 2 * jb * L.kt_words;
-          const uint32_t* vd = vblk + 2 * jb * L.vp_words;
-          int64_t m_lo = 0;  // vectors that see some key of this block: [m_lo, M) (rows are in order)
-          while (m_lo < M && ctx[m_lo] <= j0) ++m_lo;
-          const int64_t rt_lo = m_lo / 16;
-          for (int64_t rt = rt_lo; rt < RT; ++rt) {  // scores: C tiles 0, 1 = keys 0-15, 16-31
+        const int64_t M = R * group;
+        const uint16_t* kb = K0 + (base[b] + kvh * nb[b]) * blk;
+        const uint16_t* vb = V0 + (base[b] + kvh * nb[b]) * blk;
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {  // one tile of 16 query vectors
+          const int64_t nv = std::min<int64_t>(16, M - m0);
+          for (int64_t v = 0; v < 16; ++v) {
+            const int64_t m = m0 + v;
+            if (v < nv) {
+              const uint32_t* qr =
+                  reinterpret_cast<const uint32_t*>(q + (r0 + m / group) * qs + (kvh * group + m % group) * D);
+              for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = qr[p];
+              ctx_l[v] = static_cast<int32_t>(first + m / group + 1);
+            } else {  // padding: a vector of zeros that sees key 0 (finite everywhere, never written out)
+              for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = 0;
+              ctx_l[v] = 1;
+            }
+          }
+          const __m512i ctx = _mm512_load_si512(ctx_l);
+          const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
+          __m512 mv = ninf, lv = _mm512_setzero_ps();
+          if (resident) {
             _tile_zero(0);
             _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+          for (int64_t jb = 0; jb * kBlock < cmax; ++jb) {
+            const int64_t j0 = jb * kBlock;
+            const uint16_t* kd = kb + jb * blk;
+            const uint16_t* vd = vb + jb * blk;
+            _tile_zero(4);  // S^T: keys 0-15 (tile 4) and 16-31 (tile 5) x 16 vectors
+            _tile_zero(5);
             for (int64_t c = 0; c < D / 32; ++c) {
-              _tile_loadd(4, qbuf + rt * 16 * D + c * 32, D * 2);
-              _tile_loadd(6, kd + c * 16 * kKeys, 64);
-              _tile_loadd(7, kd + L.kt_words + c * 16 * kKeys, 64);
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_dpbf16ps(1, 4, 7);
+              _tile_loadd(7, qT + c * 16 * 16, 64);
+              _tile_loadd(6, kd + c * 32, D * 2);
+              _tile_dpbf16ps(4, 6, 7);
+              _tile_loadd(6, kd + 16 * D + c * 32, D * 2);
+              _tile_dpbf16ps(5, 6, 7);
             }
-            _tile_stored(0, sbuf + rt * 16 * kBlock, kBlock * 4);
-            _tile_stored(1, sbuf + rt * 16 * kBlock + kKeys, kBlock * 4);
-          }
-          const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-          for (int64_t m = m_lo; m < M; ++m) {  // online softmax of the block's scores
-            const int64_t vis_n = std::min<int64_t>(kBlock, ctx[m] - j0);
-            const uint32_t vis = vis_n >= 32 ? 0xFFFFFFFFu : ((1u << vis_n) - 1u);
-            const __mmask16 v0 = static_cast<__mmask16>(vis), v1 = static_cast<__mmask16>(vis >> 16);
-            const __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + m * kBlock), sc);
-            const __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + m * kBlock + kKeys), sc);
-            const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(v0, ninf, s0),
-                                                                  _mm512_mask_blend_ps(v1, ninf, s1)));
-            const bool fresh = lrow[m] == 0.f;
-            const float mnew = fresh ? bmax : std::max(mrow[m], bmax);
-            const __m512 mv = _mm512_set1_ps(mnew);
-            const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, mv)));
-            const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, mv)));
-            const float a = fresh ? 0.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(mrow[m] - mnew)));
-            const float psum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            lrow[m] = fresh ? psum : lrow[m] * a + psum;
-            mrow[m] = mnew;
-            alpha[m] = a;
-            _mm512_store_si512(pbuf + m * kBlock, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0..31 in order
-          }
-          for (int64_t rt = rt_lo; rt < RT; ++rt) {  // P.V: C tiles 0-3 = 4 x 16 d at a time
-            _tile_loadd(4, pbuf + rt * 16 * kBlock, kBlock * 2);
-            for (int64_t u0 = 0; u0 < NU; u0 += 4) {
-              const int64_t nu = std::min<int64_t>(4, NU - u0);
-              float* o = obuf + rt * 16 * D + u0 * 16;
-              const uint32_t* v = vd + u0 * 16;
-              _tile_zero(0);
-              _tile_loadd(6, v, D * 4);
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_stored(0, o, D * 4);
-              if (nu > 1) {
-                _tile_zero(1);
-                _tile_loadd(7, v + 16, D * 4);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_stored(1, o + 16, D * 4);
+            _tile_stored(4, sT, 64);
+            _tile_stored(5, sT + 16 * 16, 64);
+            const bool masked = j0 + kBlock > cmin;  // some vector does not see every key of the block
+            __m512 sj[kBlock];
+            __mmask16 vis[kBlock];
+            __m512 bmax = ninf;
+            _Pragma("GCC unroll 32")
+            for (int64_t j = 0; j < kBlock; ++j) {
+              sj[j] = _mm512_mul_ps(_mm512_load_ps(sT + j * 16), scv);
+              if (masked) {
+                vis[j] = _mm512_cmpgt_epi32_mask(ctx, _mm512_set1_epi32(static_cast<int32_t>(j0 + j)));
+                sj[j] = _mm512_mask_blend_ps(vis[j], ninf, sj[j]);
               }
-              if (nu > 2) {
-                _tile_zero(2);
-                _tile_loadd(6, v + 32, D * 4);
-                _tile_dpbf16ps(2, 4, 6);
-                _tile_stored(2, o + 32, D * 4);
-              }
-              if (nu > 3) {
-                _tile_zero(3);
-                _tile_loadd(7, v + 48, D * 4);
-                _tile_dpbf16ps(3, 4, 7);
-                _tile_stored(3, o + 48, D * 4);
-              }
+              bmax = _mm512_max_ps(bmax, sj[j]);
             }
-          }
-          for (int64_t m = m_lo; m < M; ++m) {  // acc = acc * alpha + P.V (the first block: P.V)
-            float* a = acc + m * D;
-            const float* o = obuf + m * D;
-            if (j0 == 0) {
-              std::memcpy(a, o, D * 4);
+            const __m512 mnew = _mm512_max_ps(mv, bmax);
+            const __mmask16 grew = _mm512_cmp_ps_mask(mnew, mv, _CMP_NEQ_OQ);
+            const __m512 alpha = exp16(_mm512_sub_ps(mv, mnew));  // 1.0 exactly where the max did not grow
+            __m512 psum = _mm512_setzero_ps();
+            _Pragma("GCC unroll 16")
+            for (int64_t t = 0; t < kBlock / 2; ++t) {
+              __m512 p0 = exp16(_mm512_sub_ps(sj[2 * t], mnew)), p1 = exp16(_mm512_sub_ps(sj[2 * t + 1], mnew));
+              if (masked) {
+                p0 = _mm512_maskz_mov_ps(vis[2 * t], p0);
+                p1 = _mm512_maskz_mov_ps(vis[2 * t + 1], p1);
+              }
+              psum = _mm512_add_ps(psum, _mm512_add_ps(p0, p1));
+              _mm512_store_si512(pT + t * 16, _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+            }
+            lv = _mm512_fmadd_ps(lv, alpha, psum);
+            mv = mnew;
+            _tile_loadd(7, pT, 64);
+            if (resident) {
+              if (jb > 0 && grew) {  // rescale O^T: every vector by its alpha
+                _tile_stored(0, acc, 64);
+                _tile_stored(1, acc + 256, 64);
+                _tile_stored(2, acc + 512, 64);
+                _tile_stored(3, acc + 768, 64);
+                for (int64_t d = 0; d < 64; ++d) _mm512_store_ps(acc + d * 16, _mm512_mul_ps(_mm512_load_ps(acc + d * 16), alpha));
+                _tile_loadd(0, acc, 64);
+                _tile_loadd(1, acc + 256, 64);
+                _tile_loadd(2, acc + 512, 64);
+                _tile_loadd(3, acc + 768, 64);
+              }
+              _tile_loadd(6, vd, 64);
+              _tile_dpbf16ps(0, 6, 7);
+              _tile_loadd(6, vd + 16 * kBlock, 64);
+              _tile_dpbf16ps(1, 6, 7);
+              _tile_loadd(6, vd + 32 * kBlock, 64);
+              _tile_dpbf16ps(2, 6, 7);
+              _tile_loadd(6, vd + 48 * kBlock, 64);
+              _tile_dpbf16ps(3, 6, 7);
             } else {
-              const __m512 al = _mm512_set1_ps(alpha[m]);
-              for (int64_t u = 0; u < NU; ++u)
-                _mm512_store_ps(a + 16 * u, _mm512_fmadd_ps(_mm512_load_ps(a + 16 * u), al, _mm512_load_ps(o + 16 * u)));
+              for (int64_t u = 0; u < D / 16; ++u) {
+                _tile_zero(0);
+                _tile_loadd(6, vd + u * 16 * kBlock, 64);
+                _tile_dpbf16ps(0, 6, 7);
+                _tile_stored(0, pv + u * 256, 64);
+              }
+              if (jb == 0) {
+                std::memcpy(acc, pv, D * 16 * 4);
+              } else {
+                for (int64_t d = 0; d < D; ++d)
+                  _mm512_store_ps(acc + d * 16, _mm512_fmadd_ps(_mm512_load_ps(acc + d * 16), alpha, _mm512_load_ps(pv + d * 16)));
+              }
             }
           }
-        }
-        for (int64_t m = 0; m < M; ++m) {
-          const float inv = 1.f / lrow[m];
-          const float* a = acc + m * D;
-          uint16_t* o = out + ((r0 + m / group) * H + kvh * group + m % group) * D;
-          for (int64_t i = 0; i < D; ++i) o[dperm[i]] = Elem<uint16_t>::store(a[i] * inv);
+          if (resident) {
+            _tile_stored(0, acc, 64);
+            _tile_stored(1, acc + 256, 64);
+            _tile_stored(2, acc + 512, 64);
+            _tile_stored(3, acc + 768, 64);
+          }
+          const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), lv);
+          for (int64_t d = 0; d < D; ++d) _mm512_store_ps(acc + d * 16, _mm512_mul_ps(_mm512_load_ps(acc + d * 16), inv));
+          for (int64_t v = 0; v < nv; ++v) {
+            const int64_t m = m0 + v;
+            uint16_t* o = out + ((r0 + m / group) * H + kvh * group + m % group) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] = Elem<uint16_t>::store(acc[d * 16 + v]);
+          }
         }
       }
     }
