@@ -311,6 +311,8 @@ namespace {
 
 constexpr int64_t kMaxGroupChunk = 8;
 constexpr int64_t kMaxHeadDim = 512;
+// Decode attention reads K/V rows this many keys ahead of use (random blocks: no hardware prefetch).
+constexpr int64_t kPrefetchKeys = 64;
 
 #ifdef PAGEDSERVE_AVX512
 // sc[g * S + j] = qf_g . k_j for the G heads of one chunk (q already scaled).
@@ -378,8 +380,8 @@ inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
 }
 
 template <int G, int ND>
-void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
-                      int64_t D, float scale, float* sc) {
+void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t S,
+                      int64_t BS, int64_t row, int64_t D, float scale, float* sc) {
   const __m512i l1lo = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i l1hi = _mm512_add_epi32(l1lo, _mm512_set1_epi32(8));
   const __m512i l2lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
@@ -394,11 +396,18 @@ void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const int64_t* tabl
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < S; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, S - j0);
-    if (j0 + 16 < S) {  // the next 16 keys' rows (random blocks: no hardware prefetch)
-      for (int64_t t = 0; t < std::min<int64_t>(16, S - j0 - 16); ++t) {
-        const int64_t j = j0 + 16 + t;
-        const char* p = reinterpret_cast<const char*>(kc + table[j / BS] * BS * row + (j % BS) * row);
-        for (int64_t off = 0; off < D * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    // The rows kPrefetchKeys ahead (random blocks: no hardware prefetch; a DRAM miss takes far longer than 16 keys'
+    // dots), and at the start the first kPrefetchKeys: K into L1 for this pass, V into L2 for the P.V pass after.
+    const int64_t pf0 = j0 == 0 ? 0 : j0 + kPrefetchKeys, pf1 = std::min(S, j0 + kPrefetchKeys + 16);
+    if (pf0 < pf1) {
+      for (int64_t j = pf0; j < pf1; ++j) {
+        const int64_t off = table[j / BS] * BS * row + (j % BS) * row;
+        const char* pk = reinterpret_cast<const char*>(kc + off);
+        const char* pv = reinterpret_cast<const char*>(vc + off);
+        for (int64_t o = 0; o < D * 2; o += 64) {
+          _mm_prefetch(pk + o, _MM_HINT_T0);
+          _mm_prefetch(pv + o, _MM_HINT_T1);
+        }
       }
     }
     __m512 d4[G][4];  // level-2 results: 4 keys each
@@ -442,10 +451,10 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
 #ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
     if (D == 64) {
-      scores_pass_bf16<G, 2>(qraw, kc, table, S, BS, row, D, scale, sc.data());
+      scores_pass_bf16<G, 2>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
       done = true;
     } else if (D == 128) {
-      scores_pass_bf16<G, 4>(qraw, kc, table, S, BS, row, D, scale, sc.data());
+      scores_pass_bf16<G, 4>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
       done = true;
     }
   }
