@@ -80,6 +80,8 @@ inline __m512i round_bf16_bits(__m512 v) {
 inline void store16(uint16_t* p, __m512 v) {  // round to nearest even, as Elem<uint16_t>::store
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(v), 16)));
 }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDSERVE_AVX512BW 1
 // The first n (< 16) lanes only.
 inline __m512 load16(const uint16_t* p, __mmask16 n) {
   __m256i raw = _mm256_maskz_loadu_epi16(n, p);
@@ -88,6 +90,7 @@ inline __m512 load16(const uint16_t* p, __mmask16 n) {
 inline void store16(uint16_t* p, __m512 v, __mmask16 n) {
   _mm256_mask_storeu_epi16(p, n, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(v), 16)));
 }
+#endif
 // round_to<uint16_t> on 16 lanes: the bf16 value, widened back to float32.
 inline __m512 round16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(round_bf16_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));

@@ -20,7 +20,7 @@ inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384
 
 template <typename S>
 inline void norm_row(const S* x, const S* w, S* out, int64_t H, float eps) {
-#ifdef PAGEDSERVE_AVX512
+#ifdef PAGEDSERVE_AVX512BW
   if constexpr (std::is_same_v<S, uint16_t>) {  // bf16: 16 lanes at a time (the sum of squares in one fixed order)
     const int64_t H16 = H / 16 * 16;
     const __mmask16 tail = static_cast<__mmask16>((1u << (H - H16)) - 1u);
