@@ -70,16 +70,31 @@ for peer in $PEERS; do
       mkdir -p "$LC/models"
       [ -f "$LC/models/bundled-bf16.gguf" ] || "$LC/build/bin/llama-quantize" --allow-requantize "$Q4" \
           "$LC/models/bundled-bf16.gguf" BF16 > "$OUTDIR/llama_quantize.log" 2>&1
+      # On Sapphire Rapids this llama.cpp's AMX path for quantized weights (the repacked "extra" buffers) dies
+      # with SIGSEGV in ggml_backend_amx_mul_mat: a run that fails is repeated without weight repacking (-nr).
+      llama_run() {  # format, file, workload, repack (1|0)
+        nr=""; [ "$4" = 0 ] && nr="-nr"
+        case $3 in
+        w1) "$LC/build/bin/llama-batched-bench" -m "$2" -t "$THREADS" -c 33000 -b 2048 -ub 512 -npp 128 -ntg 128 \
+                -npl 128 $nr --output-format jsonl > "$OUTDIR/llama_cpp_$1_w1.jsonl" 2> "$OUTDIR/llama_cpp_$1_w1.log" ;;
+        w3) "$LC/build/bin/llama-batched-bench" -m "$2" -t "$THREADS" -c 16500 -b 2048 -ub 512 -npp 1024 -ntg 1 \
+                -npl 16 $nr --output-format jsonl > "$OUTDIR/llama_cpp_$1_w3.jsonl" 2> "$OUTDIR/llama_cpp_$1_w3.log" ;;
+        w2) "$LC/build/bin/llama-bench" -m "$2" -t "$THREADS" -p 32 -n 256 -r 3 --repack "$4" -o json \
+                > "$OUTDIR/llama_cpp_$1_w2.json" 2> "$OUTDIR/llama_cpp_$1_w2.log" ;;
+        esac
+      }
       for fmt in q4_1 bf16; do
         f=$Q4; [ $fmt = bf16 ] && f=$LC/models/bundled-bf16.gguf
-        "$LC/build/bin/llama-batched-bench" -m "$f" -t "$THREADS" -c 33000 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 128 \
-            --output-format jsonl > "$OUTDIR/llama_cpp_${fmt}_w1.jsonl" 2> "$OUTDIR/llama_cpp_${fmt}_w1.log" \
-          || echo "llama.cpp $fmt W1 failed"
-        "$LC/build/bin/llama-batched-bench" -m "$f" -t "$THREADS" -c 16500 -b 2048 -ub 512 -npp 1024 -ntg 1 -npl 16 \
-            --output-format jsonl > "$OUTDIR/llama_cpp_${fmt}_w3.jsonl" 2> "$OUTDIR/llama_cpp_${fmt}_w3.log" \
-          || echo "llama.cpp $fmt W3 failed"
-        "$LC/build/bin/llama-bench" -m "$f" -t "$THREADS" -p 32 -n 256 -r 3 -o json \
-            > "$OUTDIR/llama_cpp_${fmt}_w2.json" 2> "$OUTDIR/llama_cpp_${fmt}_w2.log" || echo "llama.cpp $fmt W2 failed"
+        for w in w1 w3 w2; do
+          rm -f "$OUTDIR/llama_cpp_${fmt}_${w}.norepack"
+          if llama_run $fmt "$f" $w 1; then
+            :
+          elif llama_run $fmt "$f" $w 0; then
+            echo "llama.cpp $fmt $w: ran without weight repacking (-nr)" | tee "$OUTDIR/llama_cpp_${fmt}_${w}.norepack"
+          else
+            echo "llama.cpp $fmt $w failed"
+          fi
+        done
       done
     else
       echo "llama.cpp could not be built (see $OUTDIR/llama_cpp_build.log)"

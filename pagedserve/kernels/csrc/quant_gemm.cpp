@@ -760,14 +760,15 @@ void gemv_bf16_panels(const uint16_t* x, int64_t xs, const uint8_t* panel, int64
   for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
 }
 
-// Q4_0, Q4_1 and Q8_0: the 16 k pairs of a 32-k sub-block of a packed block widened straight into pair
+// Q4_0, Q4_1, Q5_0 and Q8_0: the 16 k pairs of a 32-k sub-block of a packed block widened straight into pair
 // vectors with 512-bit ops (two bytes planes side by side -> interleaved -> float32 -> scale -> bf16), about
 // half the work of Widen + pair_bf16 and the same values: d * q (+ m) is exact up to its one rounding either
 // way (an fma rounds d * q + m once, as d * q, exact, then + m does), then the same nearest-even bf16.
 template <int64_t T>
 struct FastPairs {
-  static constexpr bool kOk = T == kQ4_0 || T == kQ4_1 || T == kQ8_0;
+  static constexpr bool kOk = T == kQ4_0 || T == kQ4_1 || T == kQ8_0 || T == kQ5_0;
   const uint8_t* q;
+  const uint8_t* h;  // Q5_0: the high-bit planes
   __m512 d0, d1, m0, m1;  // (d_r, d_r) for rows 0-7 and 8-15, and the mins
 
   inline void init(const uint8_t* pb) {
@@ -781,6 +782,9 @@ struct FastPairs {
       m0 = _mm512_permutexvar_ps(lo, m);
       m1 = _mm512_permutexvar_ps(hi, m);
       q = pb + 64;
+    } else if constexpr (T == kQ5_0) {
+      h = pb + 32;
+      q = pb + 96;
     } else {
       q = pb + 32;
     }
@@ -794,10 +798,10 @@ struct FastPairs {
     if constexpr (T == kQ8_0) {
       f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d0);
       f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d1);
-    } else if constexpr (T == kQ4_0) {
-      const __m128i eight = _mm_set1_epi8(8);
-      f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(r0, eight))), d0);
-      f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(r1, eight))), d1);
+    } else if constexpr (T == kQ4_0 || T == kQ5_0) {  // d * (q - 8), d * (q - 16)
+      const __m128i off = _mm_set1_epi8(T == kQ4_0 ? 8 : 16);
+      f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(r0, off))), d0);
+      f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(r1, off))), d1);
     } else {
       f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r0)), d0, m0);
       f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r1)), d1, m1);
@@ -812,8 +816,16 @@ struct FastPairs {
     } else {
       const int jj = j & 7;  // byte planes 2 jj, 2 jj + 1: low nibbles k = 2 jj.., high nibbles k = 16 + 2 jj..
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * jj * 16));
-      const __m256i nib = j < 8 ? _mm256_and_si256(raw, _mm256_set1_epi8(0x0F))
-                                : _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+      __m256i nib = j < 8 ? _mm256_and_si256(raw, _mm256_set1_epi8(0x0F))
+                          : _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+      if constexpr (T == kQ5_0) {  // k = 2 j, 2 j + 1: bits s, s + 1 of qh byte plane k / 8, as bit 4
+        const __m128i hp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (j / 4) * 16));
+        const int s = (2 * j) % 8;
+        const __m128i one = _mm_set1_epi8(1);
+        const __m128i h0 = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(hp, _mm_cvtsi32_si128(s)), one), 4);
+        const __m128i h1 = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(hp, _mm_cvtsi32_si128(s + 1)), one), 4);
+        nib = _mm256_or_si256(nib, _mm256_set_m128i(h1, h0));
+      }
       return make(nib);
     }
   }
