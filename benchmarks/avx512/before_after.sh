@@ -7,7 +7,7 @@ set -u
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PY=$ROOT/.venv/bin/python
-OUT=$ROOT/benchmarks/avx512
+OUT=${OUT:-$ROOT/benchmarks/avx512}  # benchmarks/amx/before_after.sh runs this loop with its own OUT
 A() { (cd /tmp/before && PYTHONPATH=/tmp/before $PY -m pagedserve.entrypoints.cli.main "$@"); }
 B() { (cd "$ROOT" && $PY -m pagedserve.entrypoints.cli.main "$@"); }
 W1="bench throughput --num-prompts 128 --input-len 128 --output-len 128 --quiet"

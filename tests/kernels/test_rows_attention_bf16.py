@@ -76,7 +76,7 @@ def test_matches_float64_attention_and_stays_a_row_kernel(ext, cache, route):
     # Chunks that end inside a 16-key block and inside a 32-key block, and a row alone in its tile.
     cuts = [0, 3, 50, 81, 130, 199, 200]
     parts = [ext.paged_attention_rows(q[37 + lo:37 + hi], kc, vc, one, torch.tensor([hi]), torch.tensor([0, hi - lo]),
-                                      D**-0.5) for lo, hi in zip(cuts, cuts[1:])]
+                                      D**-0.5) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
     assert torch.equal(torch.cat(parts), out[37:])
     # q as a strided view (rows of a wider qkv tensor).
     wide = torch.zeros(237, H * D + 2 * KVH * D, dtype=torch.bfloat16)

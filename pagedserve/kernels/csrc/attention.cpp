@@ -690,6 +690,16 @@ inline std::vector<std::tuple<int64_t, int64_t, int64_t>> work_items(const int64
   return items;
 }
 
+// One work item: sequence b's query rows r0 .. r0 + R - 1 for kv head kvh, M = R * group query vectors; row i of
+// the tile sees keys 0 .. first + i.
+struct RowTile {
+  int64_t b, r0, kvh, R, first, M;
+  RowTile(const std::tuple<int64_t, int64_t, int64_t>& item, const int64_t* qsl, const int64_t* seq_lens, int64_t group)
+      : b(std::get<0>(item)), r0(std::get<1>(item)), kvh(std::get<2>(item)),
+        R(std::min(qsl[b + 1], r0 + kTile) - r0), first(seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b])),
+        M(R * group) {}
+};
+
 void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
          const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
          int64_t BS, int64_t W, float scale) {
@@ -709,10 +719,8 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     std::vector<int64_t> ctxv(kTile * 8);
     for (int64_t tid = t0; tid < t1; ++tid) {
       for (int64_t it = tid; it < n_items; it += nt) {
-        const auto [b, r0, kvh] = items[it];
-        const int64_t R = std::min(qsl[b + 1], r0 + kTile) - r0;
-        const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);  // row i sees first + i + 1
-        const int64_t M = R * group;
+        const RowTile tile(items[it], qsl, seq_lens, group);
+        const int64_t b = tile.b, r0 = tile.r0, kvh = tile.kvh, R = tile.R, first = tile.first, M = tile.M;
         if (static_cast<int64_t>(mrow.size()) < M) {
           accbuf.resize(M * D + 16);
           mrow.resize(M);
@@ -853,6 +861,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
 // vdpbf16ps kernel's; a process runs one of them (amx_active, switched by set_amx).
 namespace rows_amx {
 using rows_bf16::kTile;
+using rows_bf16::RowTile;
 constexpr int64_t kBlock = 32;  // keys per softmax block
 
 void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
@@ -910,10 +919,8 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     tiles.use(16);
     for (int64_t tid = t0; tid < t1; ++tid) {
       for (int64_t it = tid; it < n_items; it += nt) {
-        const auto [b, r0, kvh] = items[it];
-        const int64_t R = std::min(qsl[b + 1], r0 + kTile) - r0;
-        const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);  // row i sees first + i + 1
-        const int64_t M = R * group;
+        const RowTile tile(items[it], qsl, seq_lens, group);
+        const int64_t b = tile.b, r0 = tile.r0, kvh = tile.kvh, first = tile.first, M = tile.M;
         const uint16_t* kb = K0 + (base[b] + kvh * nb[b]) * blk;
         const uint16_t* vb = V0 + (base[b] + kvh * nb[b]) * blk;
         for (int64_t m0 = 0; m0 < M; m0 += 16) {  // one tile of 16 query vectors

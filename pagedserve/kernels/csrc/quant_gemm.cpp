@@ -724,6 +724,29 @@ inline void bf16_tile_any(int64_t R, int P, const uint16_t* x, int64_t xs, const
   }
 }
 
+// The many-rows kernels' work items: a group of kBfPanels panels (64 output columns) and a block of MB rows of x,
+// item it = g * mblocks + (row block); the group's weights widened into a pair buffer once per run of items of
+// the same group (a thread's items are consecutive).
+struct GroupItem {
+  int64_t g, m0, mb, p0;
+  int np;
+  GroupItem(int64_t it, int64_t mblocks, int64_t MB, int64_t M, int64_t panels)
+      : g(it / mblocks), m0((it % mblocks) * MB), mb(std::min(MB, M - m0)), p0(g * kBfPanels),
+        np(static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0))) {}
+};
+
+struct GroupWeights {
+  std::vector<uint16_t> v;
+  uint16_t* buf;
+  int64_t widened = -1;
+  explicit GroupWeights(int64_t K) : v(kBfPanels * K * 16 + 32) {
+    buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+  }
+  // The item's group as bf16 pairs [panel][k / 2][16 rows][2] (see widen_panel_bf16, defined below).
+  template <int64_t T>
+  const uint16_t* of(const GroupItem& item, const uint8_t* w, int64_t pstride, int64_t K);
+};
+
 // The few-rows kernel (M <= 4): the same chains with the weights widened and paired in registers (no buffer),
 // R rows x P panels over all of K.
 template <int64_t T, int R, int P>
@@ -855,6 +878,15 @@ inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out) {
       _mm512_storeu_si512(out + (16 + i) * 16, pair_bf16(a0, a1, b0, b1));
     }
   }
+}
+
+template <int64_t T>
+const uint16_t* GroupWeights::of(const GroupItem& item, const uint8_t* w, int64_t pstride, int64_t K) {
+  if (widened != item.g) {
+    for (int j = 0; j < item.np; ++j) widen_panel_bf16<T>(w + (item.p0 + j) * pstride, K, buf + j * K * 16);
+    widened = item.g;
+  }
+  return buf;
 }
 
 template <int64_t T, int R, int P>
@@ -1030,20 +1062,15 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
   const int64_t MB = std::max<int64_t>(32, (393216 / (2 * K)) / 32 * 32);
   const int64_t mblocks = (M + MB - 1) / MB;
   at::parallel_for(0, groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint16_t> wbuf(kBfPanels * K * 16 + 32);
-    uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t(63));
+    GroupWeights gw(K);
     alignas(64) float acc[32 * kBfPanels * 16];
     constexpr int64_t as = kBfPanels * 16;
     amx::Tiles tiles;
-    int64_t widened = -1;
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t g = it / mblocks, m0 = (it % mblocks) * MB, mb = std::min(MB, M - m0);
-      const int64_t p0 = g * kBfPanels;
-      const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
-      if (widened != g) {
-        for (int j = 0; j < np; ++j) widen_panel_bf16<T>(w + (p0 + j) * pstride, K, buf + j * K * 16);
-        widened = g;
-      }
+      const GroupItem item(it, mblocks, MB, M, panels);
+      const int64_t m0 = item.m0, mb = item.mb, p0 = item.p0;
+      const int np = item.np;
+      const uint16_t* buf = gw.of<T>(item, w, pstride, K);
       for (int64_t r0 = 0; r0 < mb;) {
         // two full row tiles, one, or the last rows (below 16) alone
         const int64_t left = mb - r0;
@@ -1093,18 +1120,13 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
   const int64_t MB = std::max<int64_t>(kBfRows, (393216 / (2 * K)) / kBfRows * kBfRows);
   const int64_t mblocks = (M + MB - 1) / MB;
   at::parallel_for(0, groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint16_t> wbuf(kBfPanels * K * 16 + 32);
-    uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t(63));
+    GroupWeights gw(K);
     alignas(64) float acc[kBfRows * kBfPanels * 16];
-    int64_t widened = -1;
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t g = it / mblocks, m0 = (it % mblocks) * MB, mb = std::min(MB, M - m0);
-      const int64_t p0 = g * kBfPanels;
-      const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
-      if (widened != g) {
-        for (int j = 0; j < np; ++j) widen_panel_bf16<T>(w + (p0 + j) * pstride, K, buf + j * K * 16);
-        widened = g;
-      }
+      const GroupItem item(it, mblocks, MB, M, panels);
+      const int64_t m0 = item.m0, mb = item.mb, p0 = item.p0;
+      const int np = item.np;
+      const uint16_t* buf = gw.of<T>(item, w, pstride, K);
       for (int64_t r0 = 0; r0 < mb; r0 += kBfRows) {
         const int64_t R = std::min(kBfRows, mb - r0);
         bf16_tile_any(R, np, x + (m0 + r0) * xs, xs, buf, K, acc, np * 16);
