@@ -91,8 +91,8 @@ class EngineConfig:
     decode_stack: bool = _env_knob(
         "decode_stack", "decode steps of up to 4 sequences run every layer in one C++ call")
     amx: bool = _env_knob(
-        "amx", "bf16 matmuls over GGUF blocks on AMX tiles (CPUs with AMX; the whole process); off: AVX512-BF16 "
-        "pair dot products")
+        "amx", "bf16 matmuls over GGUF blocks and the bf16 prefill attention on AMX tiles (CPUs with AMX; the "
+        "whole process); off: AVX512-BF16 pair dot products")
     fixed_matmuls: bool | None = _env_knob(
         "fixed_matmuls", "every matmul on pagedserve's fixed-order C++ matmul (batch-invariant); default: "
         "on CPUs without AVX-512, where it is the fastest")

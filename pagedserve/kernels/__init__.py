@@ -41,9 +41,6 @@ class CpuKernels:
     quant_types: frozenset[int] = frozenset()
     # quant_linear_bf16: bf16 activations against the blocks' weights rounded to bf16 (AVX512-BF16 builds).
     quant_bf16: bool = False
-    # quant_linear_bf16 runs on AMX tiles (AMX CPUs, switched on, granted by the OS): a process-wide route,
-    # set at build (other bits than the vdpbf16ps route, so one route serves every row count).
-    quant_amx: bool = False
 
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
@@ -52,7 +49,7 @@ class CpuKernels:
         ext = load_extension(arch)
         if ext is None:
             return None
-        quant_amx = ext.set_amx(amx)
+        ext.set_amx(amx)  # process-wide: see `amx_active`
         gguf = gguf_gemv and ext.has_gguf_gemv()
         return cls(
             ext=ext,
@@ -65,7 +62,6 @@ class CpuKernels:
             fixed_matmuls=(not ext.has_avx512()) if fixed_matmuls is None else fixed_matmuls,
             quant_types=frozenset(ext.quant_types()),
             quant_bf16=ext.has_quant_bf16(),
-            quant_amx=quant_amx,
         )
 
     @classmethod
@@ -77,6 +73,13 @@ class CpuKernels:
         return cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
                          decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
                          amx=config.amx)
+
+    @property
+    def amx_active(self) -> bool:
+        """quant_linear_bf16 and the bf16 prefill rows run on AMX tiles in this process (AMX CPUs, switched on,
+        granted by the OS; other bits than the vdpbf16ps routes, so one route serves every row count). The switch
+        is the process's, set by the last `build`."""
+        return self.ext.amx_active()
 
     def replace(self, **changes: Any) -> CpuKernels:
         """A copy with some capabilities switched off (tests and benchmarks compare paths this way)."""
@@ -134,7 +137,7 @@ class CpuKernels:
 
     def quant_linear_bf16(self, x, packed, type_id: int, n: int, bias, out_dtype):
         """bf16 x [M, K] @ Wb.T (+ bias), Wb the dequantized weight rounded to bf16 (as a bf16 model holds it):
-        one AVX512-BF16 pair-dot chain (AMX: one TDPBF16PS chain, see `quant_amx`) per output, the same bits
+        one AVX512-BF16 pair-dot chain (AMX: one TDPBF16PS chain, see `amx_active`) per output, the same bits
         whatever M (needs `quant_bf16`)."""
         return self.ext.quant_linear_bf16(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
 

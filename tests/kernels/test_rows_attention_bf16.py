@@ -41,6 +41,8 @@ def route(ext, request):
 
 
 def reference(q, kc, vc, bt, seq_lens, qsl):
+    """float64 attention over the same bf16 values (head shapes taken from q and the cache)."""
+    H, KVH, D, BS = q.shape[1], kc.shape[2], q.shape[2], kc.shape[1]
     outs = []
     for b in range(len(seq_lens)):
         s_len, lo, hi = int(seq_lens[b]), int(qsl[b]), int(qsl[b + 1])
@@ -116,21 +118,16 @@ def test_float32_queries_keep_the_float32_kernel(ext, cache):
 def test_other_head_shapes(ext, route, shape):
     """Head sizes and GQA groups other than the bundled model's: the AMX kernel keeps O^T in tile registers only for
     D = 64 and in memory otherwise; both still match float64 attention and stay row kernels."""
-    global H, KVH, D
-    saved = H, KVH, D
-    H, KVH, D = shape
-    try:
-        g = torch.Generator().manual_seed(4)
-        kc = torch.randn(40, BS, KVH, D, generator=g).bfloat16()
-        vc = torch.randn(40, BS, KVH, D, generator=g).bfloat16()
-        bt = torch.randperm(40, generator=g)[:12].view(1, -1).contiguous()
-        q = torch.randn(150, H, D, generator=g).bfloat16()
-        seq_lens, qsl = torch.tensor([170]), torch.tensor([0, 150])  # 20 cached keys + 150 new rows
-        out = ext.paged_attention_rows(q, kc, vc, bt, seq_lens, qsl, D**-0.5)
-        err = (out.double() - reference(q, kc, vc, bt, seq_lens, qsl)).abs()
-        assert err.max() < 2e-2 and err.mean() < 1e-3
-        a = ext.paged_attention_rows(q[:67], kc, vc, bt, torch.tensor([87]), torch.tensor([0, 67]), D**-0.5)
-        b = ext.paged_attention_rows(q[67:], kc, vc, bt, torch.tensor([170]), torch.tensor([0, 83]), D**-0.5)
-        assert torch.equal(torch.cat([a, b]), out)
-    finally:
-        H, KVH, D = saved
+    h, kvh, d = shape
+    g = torch.Generator().manual_seed(4)
+    kc = torch.randn(40, BS, kvh, d, generator=g).bfloat16()
+    vc = torch.randn(40, BS, kvh, d, generator=g).bfloat16()
+    bt = torch.randperm(40, generator=g)[:12].view(1, -1).contiguous()
+    q = torch.randn(150, h, d, generator=g).bfloat16()
+    seq_lens, qsl = torch.tensor([170]), torch.tensor([0, 150])  # 20 cached keys + 150 new rows
+    out = ext.paged_attention_rows(q, kc, vc, bt, seq_lens, qsl, d**-0.5)
+    err = (out.double() - reference(q, kc, vc, bt, seq_lens, qsl)).abs()
+    assert err.max() < 2e-2 and err.mean() < 1e-3
+    a = ext.paged_attention_rows(q[:67], kc, vc, bt, torch.tensor([87]), torch.tensor([0, 67]), d**-0.5)
+    b = ext.paged_attention_rows(q[67:], kc, vc, bt, torch.tensor([170]), torch.tensor([0, 83]), d**-0.5)
+    assert torch.equal(torch.cat([a, b]), out)

@@ -47,6 +47,7 @@ struct Tiles {
     }
   }
   Tiles() = default;
+  explicit Tiles(int r) { use(r); }
   Tiles(const Tiles&) = delete;
   Tiles& operator=(const Tiles&) = delete;
   ~Tiles() {

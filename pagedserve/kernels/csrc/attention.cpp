@@ -599,13 +599,11 @@ constexpr int64_t kTile = 16;   // query rows per work item
 constexpr int64_t kVec = 4;     // query vectors whose P.V chains run interleaved
 constexpr int64_t kVecQ = 6;    // query vectors whose score chains run interleaved
 
-using pagedserve::exp16;  // common.h
-
 // Accumulator lane l of zmm u holds output d = perm(u, l): unpacklo/hi_epi16 interleave within 128-bit lanes.
 inline int64_t lane_d(int64_t u, int64_t l) { return (u / 2) * 32 + (l / 4) * 8 + (u % 2) * 4 + l % 4; }
 
-// Every (sequence, kv head)'s K and V laid out as 16-key blocks (see above): nblk[b] blocks per kv head, a
-// multiple of `multiple` (blocks past the sequence's keys are zeros).
+// Every (sequence, kv head)'s K and V laid out as 16-key blocks (see above): nblk[b] blocks per kv head (the last
+// one zero past the sequence's keys).
 struct Layout {
   int64_t kt_words, vp_words;  // uint32 per K block (D / 2 * 16) and per V block (8 * D)
   std::vector<int64_t> nblk, base;
@@ -615,7 +613,7 @@ struct Layout {
 };
 
 Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables, const int64_t* seq_lens, int64_t B,
-               int64_t KVH, int64_t D, int64_t BS, int64_t W, int64_t multiple) {
+               int64_t KVH, int64_t D, int64_t BS, int64_t W) {
   const int64_t row = KVH * D, block_stride = BS * row;
   Layout L;
   L.kt_words = D / 2 * kKeys;
@@ -623,8 +621,7 @@ Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* block_tabl
   L.nblk.resize(B);
   L.base.assign(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = (seq_lens[b] + kKeys - 1) / kKeys;
-    L.nblk[b] = (n + multiple - 1) / multiple * multiple;
+    L.nblk[b] = (seq_lens[b] + kKeys - 1) / kKeys;
     L.base[b + 1] = L.base[b] + L.nblk[b] * KVH;
   }
   L.kt.resize(L.base[B] * L.kt_words + 16);
@@ -705,7 +702,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
          int64_t BS, int64_t W, float scale) {
   const int64_t group = H / KVH;
   const int64_t NU = D / 16;          // accumulator zmm per query vector
-  const Layout L = lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W, 1);
+  const Layout L = lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
   const int64_t kt_words = L.kt_words, vp_words = L.vp_words;
   const auto items = work_items(qsl, B, KVH);
   const std::vector<int64_t> dperm = d_order(D);

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "common.h"
+#include "ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -547,12 +548,15 @@ inline void write_rows(const float* acc, int64_t as, int64_t rows, const float* 
 constexpr int64_t kGemvRows = 4;  // up to here: the few-rows path
 
 // The few-rows driver: threads split the groups of P (1 or 2) panels; kernel(np, p0, acc) fills the M x 16 np
-// sums of panels p0 .. p0 + np - 1 (row stride 16 np), which are then written out with the bias.
-template <typename OT, typename F>
-inline void gemv_groups(int64_t M, int P, int64_t panels, const float* bias, OT* y, int64_t N, F&& kernel) {
+// sums of panels p0 .. p0 + np - 1 (row stride 16 np; M <= MaxRows), which are then written out with the bias.
+// setup() runs once per task and what it returns lives until the task ends (the AMX route's tile configuration).
+template <int64_t MaxRows = kGemvRows, typename OT, typename F, typename S = decltype([] { return 0; })>
+inline void gemv_groups(int64_t M, int P, int64_t panels, const float* bias, OT* y, int64_t N, F&& kernel,
+                        S setup = {}) {
   const int64_t groups = (panels + P - 1) / P;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    alignas(64) float acc[kGemvRows * 2 * 16];
+    [[maybe_unused]] const auto task = setup();
+    alignas(64) float acc[MaxRows * 2 * 16];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * P;
       const int np = static_cast<int>(std::min<int64_t>(P, panels - p0));
@@ -626,19 +630,8 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
   });
 }
 
-// Whether quant_linear_bf16 runs on AMX tiles in this process: built with AMX, not switched off, and the kernel
-// granted this process the tile data state (Linux asks for it once: arch_prctl ARCH_REQ_XCOMP_PERM).
-std::atomic<bool> g_quant_amx{true};
-
-bool amx_granted() {
-#ifdef PAGEDSERVE_QUANT_AMX
-  return amx::granted();
-#else
-  return false;
-#endif
-}
-
-inline bool use_amx() { return g_quant_amx.load(std::memory_order_relaxed) && amx_granted(); }
+// set_amx's switch (amx_active below says whether the AMX routes run).
+std::atomic<bool> g_amx_on{true};
 
 // ---- bf16 weights (AVX512-BF16): quant_linear_bf16 -------------------------------------------------------
 //
@@ -1035,25 +1028,16 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
   constexpr QuantType t = quant_type(T);
   const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
   if (M <= kAmxGemvRows) {
-    const int64_t groups = (panels + 1) / 2;
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      amx::Tiles tiles;
-      tiles.use(static_cast<int>(M));
-      alignas(64) float acc[kAmxGemvRows * 32];
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * 2;
-        const int np = static_cast<int>(std::min<int64_t>(2, panels - p0));
-        if (np == 2) {
-          gemv_amx<T, 2>(x, xs, w + p0 * pstride, pstride, K, acc, 32);
-        } else {
-          gemv_amx<T, 1>(x, xs, w + p0 * pstride, pstride, K, acc, 32);
-        }
-        for (int j = 0; j < np; ++j) {
-          const int64_t n0 = (p0 + j) * 16;
-          write_rows(acc + j * 16, 32, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
-        }
-      }
-    });
+    gemv_groups<kAmxGemvRows>(
+        M, 2, panels, bias, y, N,
+        [&](int np, int64_t p0, float* acc) {
+          if (np == 2) {
+            gemv_amx<T, 2>(x, xs, w + p0 * pstride, pstride, K, acc, 32);
+          } else {
+            gemv_amx<T, 1>(x, xs, w + p0 * pstride, pstride, K, acc, 16);
+          }
+        },
+        [&] { return amx::Tiles(static_cast<int>(M)); });
     return;
   }
   // Many rows: work items of (a group of 4 panels, a block of ~384 KB of x rows), the group widened once per
@@ -1098,7 +1082,7 @@ template <int64_t T, typename OT>
 void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
                      int64_t K) {
 #ifdef PAGEDSERVE_QUANT_AMX
-  if (use_amx()) {
+  if (amx_active()) {
     quant_gemm_amx<T, OT>(x, xs, w, bias, y, M, N, K);
     return;
   }
@@ -1261,11 +1245,18 @@ bool has_amx() {
 }
 
 // Whether the AMX routes (quant_linear_bf16 here, attention.cpp's bf16 prefill rows) run in this process: built,
-// switched on and granted by the kernel. set_amx switches them (tests and benchmarks compare the routes).
-bool amx_active() { return has_amx() && quant_detail::use_amx(); }
+// switched on, and the kernel granted the tile data state (asked once: arch_prctl ARCH_REQ_XCOMP_PERM). set_amx
+// switches them (tests and benchmarks compare the routes).
+bool amx_active() {
+#ifdef PAGEDSERVE_QUANT_AMX
+  return quant_detail::g_amx_on.load(std::memory_order_relaxed) && amx::granted();
+#else
+  return false;
+#endif
+}
 
 bool set_amx(bool enabled) {
-  quant_detail::g_quant_amx.store(enabled);
+  quant_detail::g_amx_on.store(enabled);
   return amx_active();
 }
 
