@@ -141,6 +141,28 @@ def test_paged_decode_attention(kernels, dtype, H, KVH, D):
     assert close(out2, ref_decode(q[:B], kc, vc, tables, lens, scale), dtype)
 
 
+@pytest.mark.parametrize("amx", [pytest.param(False, id="vdpbf16ps"), pytest.param(True, id="amx")])
+@pytest.mark.parametrize(("H", "KVH"), [(9, 3), (12, 1), (2, 2)])
+def test_paged_decode_attention_bf16_with_16_key_blocks(kernels, amx, H, KVH):
+    """bf16 queries and cache, D = 64, 16-token blocks: where AMX is active the scores run on tiles (a cache block's
+    16 K rows as an A tile, two 16-key runs at a time, the last run partial); both routes match the reference."""
+    if amx and not kernels.amx_active():
+        pytest.skip("no AMX on this CPU (or not granted)")
+    B, BS, D, dtype = 6, 16, 64, torch.bfloat16
+    lens, tables, kc, vc, g = paged_setup(B, H, KVH, D, BS, dtype, seed=H + 7 * KVH)
+    lens[0], lens[1] = 1, 33  # one key; two full 16-key runs and one key of a third
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    scale = D**-0.5
+    before = kernels.amx_active()
+    try:
+        kernels.set_amx(amx)
+        out = torch.empty(B, H, D, dtype=dtype)
+        kernels.paged_decode_attention(q, kc, vc, tables, lens, torch.empty(0, dtype=torch.long), out, scale)
+    finally:
+        kernels.set_amx(before)
+    assert close(out, ref_decode(q, kc, vc, tables, lens, scale), dtype)
+
+
 def test_paged_decode_attention_rejects_bad_tables(kernels):
     lens, tables, kc, vc, _ = paged_setup(3, 4, 2, 32, 4, torch.float32, seed=0)
     q = torch.randn(3, 4, 32)

@@ -207,6 +207,36 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
     assert torch.allclose(nob + bias, full[:5], rtol=0, atol=1e-5 * float(scale))
 
 
+@needs_bf16
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+def test_bf16_linear_of_many_rows_and_columns_gives_each_rows_own_bits(kernels, threads, bf16_route):
+    """Past 1 MB of x the AMX route widens the weights into a buffer the threads share, a chunk of 4 MB of them
+    at a time, and splits the rows instead of the columns: 1,100 rows x 512 k (1.1 MB) against 4,100 outputs
+    (64 KB of bf16 weights per 64 columns: two chunks, the second a partial group with a partial panel). Every
+    row still gets the bits it gets alone or in a few rows, at any thread count, and the product is right."""
+    qtype = Q.Q4_1
+    n, k, m = 4100, 512, 1100
+    raw = random_blocks(qtype, n, k, seed=41)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    torch.set_num_threads(2)
+    full = kernels.quant_linear_bf16(x, packed, int(qtype), n, bias, torch.float32)
+    torch.set_num_threads(1)
+    assert torch.equal(kernels.quant_linear_bf16(x, packed, int(qtype), n, bias, torch.float32), full)
+    for r0, r1 in ((0, 3), (517, 530), (1067, 1100)):
+        assert torch.equal(kernels.quant_linear_bf16(x[r0:r1], packed, int(qtype), n, bias, torch.float32),
+                           full[r0:r1]), (r0, r1)
+    yb = kernels.quant_linear_bf16(x, packed, int(qtype), n, bias, torch.bfloat16)
+    assert torch.equal(yb, full.to(torch.bfloat16))
+    rows = torch.tensor([0, 31, 32, 400, 1099])
+    wb = dequantize(raw, qtype).to(torch.bfloat16).double()
+    ref = x[rows].double() @ wb.t() + bias.double()
+    scale = (x[rows].double().abs() @ wb.abs().t()).max()
+    assert (full[rows].double() - ref).abs().max() <= 1e-5 * scale
+
+
 @pytest.mark.skipif("not _amx_active()", reason="no AMX on this CPU (or not granted)")
 def test_amx_route_is_the_default_where_amx_is_and_can_be_switched(kernels):
     """Where the CPU has AMX, quant_linear_bf16 runs on tiles by default (its bits are TDPBF16PS's sums, not the

@@ -441,21 +441,101 @@ void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
   }
 }
 
+#ifdef PAGEDSERVE_AMX
+// The same scores on AMX tiles (amx_active; D = 64; the calling task has the tiles configured to 16 rows):
+// S^T = K Q^T per 16 keys. A cache block's 16 K rows of this kv head are two A tiles as they lie (row stride
+// `row`), the G query heads' q two B tiles ((d, d + 1) pairs, [d / 2][16 columns], columns past G zero) loaded once
+// per call, so each score is one chain of two TDPBF16PS; column g of a C tile (16 keys) is head g's scores. Two
+// 16-key runs at a time on their own A and C tiles (AMX does not rename tiles: one C tile's chain, store and
+// read-back serialize). Needs the cache block size to be a multiple of 16 (16 keys never straddle two blocks).
+template <int G>
+void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t S,
+                     int64_t BS, int64_t row, int64_t D, float scale, float* sc) {
+  static_assert(G <= 16);
+  alignas(64) uint16_t qb[2][16 * 32] = {};
+  for (int c = 0; c < 2; ++c)
+    for (int kk = 0; kk < 16; ++kk)
+      for (int g = 0; g < G; ++g) {
+        qb[c][kk * 32 + 2 * g] = q[g * D + 32 * c + 2 * kk];
+        qb[c][kk * 32 + 2 * g + 1] = q[g * D + 32 * c + 2 * kk + 1];
+      }
+  _tile_loadd(6, qb[0], 64);
+  _tile_loadd(7, qb[1], 64);
+  alignas(64) float ct[2][16 * 16];
+  const __m512i col = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+  const __m512 sv = _mm512_set1_ps(scale);
+  const int64_t rb = row * 2;
+  for (int64_t j0 = 0; j0 < S; j0 += 32) {
+    const int64_t pf0 = j0 == 0 ? 0 : j0 + kPrefetchKeys, pf1 = std::min(S, j0 + kPrefetchKeys + 32);
+    for (int64_t j = pf0; j < pf1; ++j) {  // as scores_pass_bf16: K into L1, V into L2
+      const int64_t off = table[j / BS] * BS * row + (j % BS) * row;
+      const char* pk = reinterpret_cast<const char*>(kc + off);
+      const char* pv = reinterpret_cast<const char*>(vc + off);
+      for (int64_t o = 0; o < D * 2; o += 64) {
+        _mm_prefetch(pk + o, _MM_HINT_T0);
+        _mm_prefetch(pv + o, _MM_HINT_T1);
+      }
+    }
+    const uint16_t* k0 = kc + table[j0 / BS] * BS * row + (j0 % BS) * row;
+    _tile_zero(0);
+    _tile_loadd(2, k0, rb);
+    _tile_loadd(3, k0 + 32, rb);
+    const bool two = j0 + 16 < S;
+    if (two) {
+      const int64_t j1 = j0 + 16;
+      const uint16_t* k1 = kc + table[j1 / BS] * BS * row + (j1 % BS) * row;
+      _tile_zero(1);
+      _tile_loadd(4, k1, rb);
+      _tile_loadd(5, k1 + 32, rb);
+      _tile_dpbf16ps(0, 2, 6);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(0, 3, 7);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_stored(0, ct[0], 64);
+      _tile_stored(1, ct[1], 64);
+    } else {
+      _tile_dpbf16ps(0, 2, 6);
+      _tile_dpbf16ps(0, 3, 7);
+      _tile_stored(0, ct[0], 64);
+    }
+    for (int h = 0; h < (two ? 2 : 1); ++h) {
+      const int64_t js = j0 + 16 * h, n = std::min<int64_t>(16, S - js);
+      const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+      for (int g = 0; g < G; ++g) {
+        const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(g)), ct[h], 4);
+        _mm512_mask_storeu_ps(sc + g * S + js, live, _mm512_mul_ps(v, sv));
+      }
+    }
+  }
+}
+#endif
+
 #endif
 
 template <int G, typename SC, typename SQ>
 void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, const SC* vc, const int64_t* table,
-                  int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SQ* out) {
+                  int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SQ* out,
+                  [[maybe_unused]] bool tiles) {
   sc.resize(G * S + 16);
   bool done = false;
+#if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
+  if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t>) {
+    if (tiles && G <= 16) {  // decode_avx512 checked D and the block size
+      scores_pass_amx<G>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
+      done = true;
+    }
+  }
+#endif
 #ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
+    if (!done) {
     if (D == 64) {
       scores_pass_bf16<G, 2>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
       done = true;
     } else if (D == 128) {
       scores_pass_bf16<G, 4>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
       done = true;
+    }
     }
   }
 #endif
@@ -479,8 +559,18 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
   const int64_t group = H / KVH;
   const int64_t chunks = (group + kMaxGroupChunk - 1) / kMaxGroupChunk;
   const int64_t row = KVH * D;
+  // The scores on AMX tiles where they run (bf16 query and cache, D = 64, 16-key runs inside cache blocks).
+  bool use_tiles = false;
+#if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
+  use_tiles = std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && D == 64 && BS % 16 == 0 &&
+              amx_active();
+#endif
   at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> sc;
+#if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
+    amx::Tiles tiles;
+    if (use_tiles) tiles.use(16);
+#endif
     alignas(64) float qf[kMaxGroupChunk * kMaxHeadDim];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (KVH * chunks), kvh = (item / chunks) % KVH, ch = item % chunks;
@@ -495,14 +585,14 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
       const SC* k = kc + kvh * D;
       const SC* v = vc + kvh * D;
       switch (G) {
-        case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
-        case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
-        case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
-        case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
-        case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
-        case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
-        case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
-        default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o); break;
+        case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
+        case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
+        case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
+        case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
+        case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
+        case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
+        case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
+        default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
       }
     }
   });

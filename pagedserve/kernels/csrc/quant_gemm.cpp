@@ -536,11 +536,35 @@ struct Scratch {
 template <typename OT>
 inline void write_rows(const float* acc, int64_t as, int64_t rows, const float* bias, OT* y, int64_t N, int64_t n0,
                        int64_t nn) {
+#ifdef PAGEDSERVE_AVX512
+  if (nn == 16) {  // a whole panel: the same sums and roundings, 16 lanes at a time
+    const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 v = _mm512_loadu_ps(acc + r * as);
+      store16(y + r * N + n0, bias ? _mm512_add_ps(v, b) : v);
+    }
+    return;
+  }
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     OT* out = y + r * N + n0;
     for (int64_t j = 0; j < nn; ++j) {
       const float v = bias ? acc[r * as + j] + bias[n0 + j] : acc[r * as + j];
       out[j] = Elem<OT>::store(v);
+    }
+  }
+}
+
+// np panels (16 columns each from p0) of rows x np * 16 sums (row stride as) into y, row by row: a row's columns
+// are adjacent in y, so each of its cache lines is written whole at once (panel by panel, N * 2 or 4 bytes apart,
+// the rows of a block fall on few cache sets and a line was evicted between its first and its second half).
+template <typename OT>
+inline void write_panels(const float* acc, int64_t as, int64_t rows, int np, int64_t p0, const float* bias, OT* y,
+                         int64_t N) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int j = 0; j < np; ++j) {
+      const int64_t n0 = (p0 + j) * 16;
+      write_rows(acc + r * as + j * 16, as, 1, bias, y + r * N, N, n0, std::min<int64_t>(16, N - n0));
     }
   }
 }
@@ -561,10 +585,7 @@ inline void gemv_groups(int64_t M, int P, int64_t panels, const float* bias, OT*
       const int64_t p0 = g * P;
       const int np = static_cast<int>(std::min<int64_t>(P, panels - p0));
       kernel(np, p0, acc);
-      for (int j = 0; j < np; ++j) {
-        const int64_t n0 = (p0 + j) * 16;
-        write_rows(acc + j * 16, np * 16, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
-      }
+      write_panels(acc, np * 16, M, np, p0, bias, y, N);
     }
   });
 }
@@ -599,10 +620,7 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
           for (int j = 0; j < np; ++j) widen_range<T>(w + (p0 + j) * pstride, k0, kc, buf.p + j * kc * 16);
           run_tile(M, np, x + k0, xs, buf.p, kc, acc.p, np * 16, k0 == 0);
         }
-        for (int j = 0; j < np; ++j) {
-          const int64_t n0 = (p0 + j) * 16;
-          write_rows(acc.p + j * 16, np * 16, M, bias, y, N, n0, std::min<int64_t>(16, N - n0));
-        }
+        write_panels(acc.p, np * 16, M, np, p0, bias, y, N);
       }
     });
 #endif
@@ -956,16 +974,27 @@ inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8
 
 // C tiles (RT row tiles x PT panels) = x rows . buf panels over all of K, stored into acc (row stride as floats).
 // buf: PT panels of K * 16 bf16 each (the pair layout); x: RT * rows rows of bf16 (row stride xs).
+// With ka > 0 the C tiles continue the chains stored in acc by the call for the k before ka (a float32 tile stored
+// and loaded back is the same bits), so a K-blocked loop gives the unblocked chains exactly.
 template <int RT, int PT>
 inline void amx_block(const uint16_t* x, int64_t xs, int rows, const uint16_t* buf, int64_t K, float* acc,
-                      int64_t as) {
-  _tile_zero(0);
-  if constexpr (PT > 1) _tile_zero(1);
-  if constexpr (RT > 1) _tile_zero(2);
-  if constexpr (RT > 1 && PT > 1) _tile_zero(3);
+                      int64_t as, int64_t ka = 0, int64_t kz = -1) {
+  const int64_t cb = as * 4;
+  if (kz < 0) kz = K;
+  if (ka == 0) {
+    _tile_zero(0);
+    if constexpr (PT > 1) _tile_zero(1);
+    if constexpr (RT > 1) _tile_zero(2);
+    if constexpr (RT > 1 && PT > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, cb);
+    if constexpr (PT > 1) _tile_loadd(1, acc + 16, cb);
+    if constexpr (RT > 1) _tile_loadd(2, acc + rows * as, cb);
+    if constexpr (RT > 1 && PT > 1) _tile_loadd(3, acc + rows * as + 16, cb);
+  }
   const int64_t xb = xs * 2, ps = K * 16;
   const uint16_t* x1 = x + rows * xs;
-  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+  for (int64_t k0 = ka; k0 < kz; k0 += 32) {
     _tile_loadd(6, buf + k0 * 16, 64);
     _tile_loadd(4, x + k0, xb);
     if constexpr (PT > 1) _tile_loadd(7, buf + ps + k0 * 16, 64);
@@ -975,7 +1004,6 @@ inline void amx_block(const uint16_t* x, int64_t xs, int rows, const uint16_t* b
     if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RT > 1 && PT > 1) _tile_dpbf16ps(3, 5, 7);
   }
-  const int64_t cb = as * 4;
   _tile_stored(0, acc, cb);
   if constexpr (PT > 1) _tile_stored(1, acc + 16, cb);
   if constexpr (RT > 1) _tile_stored(2, acc + rows * as, cb);
@@ -1021,6 +1049,9 @@ void gemv_amx(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstri
 }
 
 constexpr int64_t kAmxGemvRows = 16;  // up to here: one row tile, weights streamed
+constexpr int64_t kAmxKBlockBytes = 36864;  // a k block's B (panel pair) and A (row pair) tiles together: in L1
+constexpr int64_t kAmxWideBytes = 4 << 20;  // the many-rows route's shared widened weights at a time
+constexpr int64_t kAmxXBytes = 1 << 20;     // up to here x stays in L2: groups split, widened per thread
 
 template <int64_t T, typename OT>
 void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
@@ -1040,40 +1071,88 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
         [&] { return amx::Tiles(static_cast<int>(M)); });
     return;
   }
-  // Many rows: work items of (a group of 4 panels, a block of ~384 KB of x rows), the group widened once per
-  // item run (consecutive items of a thread share the group), then 32 x 32 blocks of C tiles over it.
+  // Many rows, in work items of (a block of rows, a group of 4 panels = 64 columns) over the group's weights
+  // widened into a bf16 pair buffer. Pairs of full row tiles run K-blocked: per k block, a panel pair's B (kc x 32
+  // bf16) stays in L1 while the row pairs' A tiles stream past it (unblocked, B and A of a 32 x 32 block over
+  // K = 576 are 72 KB together, past L1, and both came from L2 at every step). C goes to acc between k blocks.
   const int64_t groups = (panels + kBfPanels - 1) / kBfPanels;
-  const int64_t MB = std::max<int64_t>(32, (393216 / (2 * K)) / 32 * 32);
-  const int64_t mblocks = (M + MB - 1) / MB;
-  at::parallel_for(0, groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
-    GroupWeights gw(K);
-    alignas(64) float acc[32 * kBfPanels * 16];
-    constexpr int64_t as = kBfPanels * 16;
-    amx::Tiles tiles;
-    for (int64_t it = i0; it < i1; ++it) {
-      const GroupItem item(it, mblocks, MB, M, panels);
-      const int64_t m0 = item.m0, mb = item.mb, p0 = item.p0;
-      const int np = item.np;
-      const uint16_t* buf = gw.of<T>(item, w, pstride, K);
-      for (int64_t r0 = 0; r0 < mb;) {
-        // two full row tiles, one, or the last rows (below 16) alone
-        const int64_t left = mb - r0;
-        const int rows = static_cast<int>(std::min<int64_t>(16, left));
-        const int RT = left >= 32 ? 2 : 1;
-        tiles.use(rows);
+  const int64_t gsize = kBfPanels * K * 16;  // bf16 per group
+  const int64_t nkb = std::max<int64_t>(1, (K * 128 + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
+  const int64_t kc = ((K + nkb - 1) / nkb + 31) / 32 * 32;
+  constexpr int64_t as = kBfPanels * 16;
+  auto item = [&](const uint16_t* buf, int64_t m0, int64_t mb, int64_t p0, float* acc, amx::Tiles& tiles) {
+    const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
+    const int64_t full = mb / 32 * 32;
+    if (full) {
+      tiles.use(16);
+      for (int64_t ka = 0; ka < K; ka += kc) {
+        const int64_t kz = std::min(K, ka + kc);
         for (int j = 0; j < np; j += 2) {
-          const int PT = std::min(2, np - j);
-          amx_block_any(RT, PT, x + (m0 + r0) * xs, xs, rows, buf + j * K * 16, K, acc + j * 16, as);
+          for (int64_t r0 = 0; r0 < full; r0 += 32) {
+            const uint16_t* xr = x + (m0 + r0) * xs;
+            if (np - j >= 2) {
+              amx_block<2, 2>(xr, xs, 16, buf + j * K * 16, K, acc + r0 * as + j * 16, as, ka, kz);
+            } else {
+              amx_block<2, 1>(xr, xs, 16, buf + j * K * 16, K, acc + r0 * as + j * 16, as, ka, kz);
+            }
+          }
         }
-        const int64_t R = RT * rows;
-        for (int j = 0; j < np; ++j) {
-          const int64_t n0 = (p0 + j) * 16;
-          write_rows(acc + j * 16, as, R, bias, y + (m0 + r0) * N, N, n0, std::min<int64_t>(16, N - n0));
-        }
-        r0 += R;
       }
+      write_panels(acc, as, full, np, p0, bias, y + m0 * N, N);
     }
-  });
+    for (int64_t r0 = full; r0 < mb;) {  // one full row tile, or the last rows (below 16) alone
+      const int rows = static_cast<int>(std::min<int64_t>(16, mb - r0));
+      tiles.use(rows);
+      for (int j = 0; j < np; j += 2) {
+        const int PT = std::min(2, np - j);
+        amx_block_any(1, PT, x + (m0 + r0) * xs, xs, rows, buf + j * K * 16, K, acc + j * 16, as);
+      }
+      write_panels(acc, as, rows, np, p0, bias, y + (m0 + r0) * N, N);
+      r0 += rows;
+    }
+  };
+  if (M * K * 2 <= kAmxXBytes) {
+    // x fits in L2 beside the rest: the threads split the groups, each widening its own into a private buffer.
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      GroupWeights gw(K);
+      Scratch scratch(M * as);
+      amx::Tiles tiles;
+      for (int64_t g = g0; g < g1; ++g) {
+        const GroupItem gi(g, 1, M, M, panels);
+        item(gw.of<T>(gi, w, pstride, K), 0, M, gi.p0, scratch.p, tiles);
+      }
+    });
+    return;
+  }
+  // More x: split by groups, each thread would read all of x from memory once per group (~2x the time at 2,048
+  // rows). Instead the weights are widened into a buffer shared by the threads, up to kAmxWideBytes of them (a
+  // chunk of groups) at a time, all panels of a chunk in parallel; then the items run row-block-major, equal row
+  // blocks of up to ~320 KB of x in a multiple of the thread count: a thread's x block stays in L2 while the
+  // chunk's groups pass.
+  const int64_t G = std::clamp<int64_t>(kAmxWideBytes / (2 * gsize), 1, groups);
+  const int64_t nt = at::get_num_threads();
+  const int64_t max_mb = std::max<int64_t>(32, (327680 / (2 * K)) / 32 * 32);
+  const int64_t mblocks = ((M + max_mb - 1) / max_mb + nt - 1) / nt * nt;
+  const int64_t MB = ((M + mblocks - 1) / mblocks + 31) / 32 * 32;
+  thread_local std::vector<uint16_t> wide_v;
+  if (static_cast<int64_t>(wide_v.size()) < G * gsize + 32) wide_v.resize(G * gsize + 32);
+  uint16_t* const wide =
+      reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wide_v.data()) + 63) & ~uintptr_t(63));
+  for (int64_t g0 = 0; g0 < groups; g0 += G) {
+    const int64_t gn = std::min(G, groups - g0);
+    const int64_t pn = std::min(gn * kBfPanels, panels - g0 * kBfPanels);
+    at::parallel_for(0, pn, 1, [&](int64_t q0, int64_t q1) {
+      for (int64_t q = q0; q < q1; ++q) widen_panel_bf16<T>(w + (g0 * kBfPanels + q) * pstride, K, wide + q * K * 16);
+    });
+    at::parallel_for(0, mblocks * gn, 1, [&](int64_t i0, int64_t i1) {
+      Scratch scratch(MB * as);
+      amx::Tiles tiles;
+      for (int64_t it = i0; it < i1; ++it) {
+        const int64_t m0 = (it / gn) * MB, gi = it % gn;
+        if (m0 < M) item(wide + gi * gsize, m0, std::min(MB, M - m0), (g0 + gi) * kBfPanels, scratch.p, tiles);
+      }
+    });
+  }
 }
 #endif
 
@@ -1114,10 +1193,7 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
       for (int64_t r0 = 0; r0 < mb; r0 += kBfRows) {
         const int64_t R = std::min(kBfRows, mb - r0);
         bf16_tile_any(R, np, x + (m0 + r0) * xs, xs, buf, K, acc, np * 16);
-        for (int j = 0; j < np; ++j) {
-          const int64_t n0 = (p0 + j) * 16;
-          write_rows(acc + j * 16, np * 16, R, bias, y + (m0 + r0) * N, N, n0, std::min<int64_t>(16, N - n0));
-        }
+        write_panels(acc, np * 16, R, np, p0, bias, y + (m0 + r0) * N, N);
       }
     }
   });
