@@ -141,6 +141,11 @@ class CpuKernels:
         whatever M (needs `quant_bf16`)."""
         return self.ext.quant_linear_bf16(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
 
+    def quant_linear_bf16_silu(self, x, packed, type_id: int, n: int):
+        """silu(gate) * up of quant_linear_bf16 (bf16 out) over W = [gate; up] (n = 2 I, I % 16 == 0, no bias): the
+        bits of silu_and_mul over it, in one call (fused where AMX runs the many-rows matmul)."""
+        return self.ext.quant_linear_bf16_silu(x, packed, type_id, n, x.shape[-1])
+
     def quant_embedding(self, ids, packed, type_id: int, k: int, out_dtype):
         """Rows `ids` (int64, any shape) of the dequantized [N, k] weight -> [*ids.shape, k] in out_dtype."""
         return self.ext.quant_embedding(ids, packed, type_id, k, out_dtype)

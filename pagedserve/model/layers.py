@@ -121,6 +121,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routes(x, self.weight, self.bias)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SwiGLU of this [gate; up] projection in one kernel call where its route has one (see
+        MatmulRoutes.silu_and_mul), else None."""
+        return None if self.bias is not None else self.routes.silu_and_mul(x)
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)

@@ -97,11 +97,13 @@ class MLP(nn.Module):
         self.gelu = cfg.spec.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, kernels=None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.gelu:
-            act = gelu_tanh_and_mul(gate_up)
-        else:
-            act = kernels.silu_and_mul(gate_up) if kernels is not None else silu_and_mul(gate_up)
+        act = None if self.gelu or kernels is None else self.gate_up_proj.silu_and_mul(x)
+        if act is None:
+            gate_up = self.gate_up_proj(x)
+            if self.gelu:
+                act = gelu_tanh_and_mul(gate_up)
+            else:
+                act = kernels.silu_and_mul(gate_up) if kernels is not None else silu_and_mul(gate_up)
         out = self.down_proj(act)
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -300,6 +300,16 @@ class MatmulRoutes:
             start += p.n
         return torch.cat(outs, dim=-1)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this [gate; up] matmul (no bias) in one kernel call, the same bits as the matmul then
+        kernels.silu_and_mul: on the QUANT_BF16 route with bf16 x and a single block type; None elsewhere."""
+        route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+        if (route != Route.QUANT_BF16 or self.float32_out or x.dtype != torch.bfloat16 or len(self.quant) != 1
+                or self.quant[0].n % 32):
+            return None
+        p = self.quant[0]
+        return self.kernels.quant_linear_bf16_silu(x, p.packed, p.type_id, p.n)
+
     @property
     def stackable(self) -> bool:
         """DecodeStack can run this matmul (one kernel call: not a quantized weight of several parts)."""

@@ -237,6 +237,32 @@ def test_bf16_linear_of_many_rows_and_columns_gives_each_rows_own_bits(kernels, 
     assert (full[rows].double() - ref).abs().max() <= 1e-5 * scale
 
 
+@needs_bf16
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q6_K], ids=["Q4_1", "Q5_0", "Q6_K"])
+def test_bf16_silu_is_silu_and_mul_over_the_bf16_linear(kernels, threads, bf16_route, qtype):
+    """quant_linear_bf16_silu (the MLP's gate_up projection and SwiGLU in one call; fused into the AMX many-rows
+    matmul's epilogue) gives exactly silu_and_mul over quant_linear_bf16's bf16 output: few rows, tiles of rows
+    with a partial last one, x past 1 MB (the shared widened weights), I = 80 (a group of 4 panels and one of 1)."""
+    I, k = 80, 512 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 640
+    raw = random_blocks(qtype, 2 * I, k, seed=51)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    g = torch.Generator().manual_seed(52)
+    x = (torch.randn(900, k, generator=g) * 4).to(torch.bfloat16)
+    for m in (1, 3, 16, 17, 45, 900):
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            ref = kernels.silu_and_mul(kernels.quant_linear_bf16(x[:m], packed, int(qtype), 2 * I, None,
+                                                                 torch.bfloat16))
+            got = kernels.quant_linear_bf16_silu(x[:m], packed, int(qtype), 2 * I)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, I)
+            assert torch.equal(got, ref), (m, t)
+    gate, up = (x.double() @ dequantize(raw, qtype).to(torch.bfloat16).double().t()).chunk(2, dim=-1)
+    assert torch.allclose(got.double(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2 * float(up.abs().max()))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.quant_linear_bf16_silu(x[:4], packed, int(qtype), 2 * I - 16)
+
+
 @pytest.mark.skipif("not _amx_active()", reason="no AMX on this CPU (or not granted)")
 def test_amx_route_is_the_default_where_amx_is_and_can_be_switched(kernels):
     """Where the CPU has AMX, quant_linear_bf16 runs on tiles by default (its bits are TDPBF16PS's sums, not the

@@ -50,6 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_bf16", &pagedserve::quant_linear_bf16, py::arg("x"), py::arg("packed"), py::arg("type_id"),
         py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
         "bf16 x @ Wb.T (+ bias), Wb quant_pack's blocks dequantized and rounded to bf16: one vdpbf16ps (or, where AMX is active, one TDPBF16PS) chain per output");
+  m.def("quant_linear_bf16_silu", &pagedserve::quant_linear_bf16_silu, py::arg("x"), py::arg("packed"),
+        py::arg("type_id"), py::arg("n"), py::arg("k"),
+        "silu(gate) * up of quant_linear_bf16 over W = [gate; up] (n = 2 I, I % 16 == 0), bf16 [M, I]: the bits of "
+        "silu_and_mul over its bf16 output, fused where the AMX many-rows route runs");
   m.def("quant_embedding", &pagedserve::quant_embedding, py::arg("ids"), py::arg("packed"), py::arg("type_id"),
         py::arg("k"), py::arg("out_dtype"), "rows of the dequantized weight (gguf-py's float32 values, then cast)");
   m.def("gguf_block_layouts", []() {

@@ -113,6 +113,18 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
+
+// silu(g) rounded to bf16, times u (g, u bf16 values as float32; the caller rounds the product): silu_and_mul's
+// arithmetic, shared by the fused matmul epilogue so both give the same bits. g / (1 + e^-g) as g times the
+// reciprocal (rcp14 and one Newton step: ~1 ulp of float32 before the bf16 rounding; a vdivps took ~half the
+// time), e^-g capped at e^80 (the kernels are built with -ffast-math: no inf; silu ~ -0 there anyway).
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(80.f)));
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  const __m512 r0 = _mm512_rcp14_ps(den);
+  const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.f)));
+  return _mm512_mul_ps(round16(_mm512_mul_ps(g, r)), u);
+}
 #endif
 
 }  // namespace pagedserve

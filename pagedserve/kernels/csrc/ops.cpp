@@ -174,18 +174,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
         S* o = op + t * I;
         int64_t i0 = 0;
 #ifdef PAGEDSERVE_AVX512
-        if constexpr (std::is_same_v<S, uint16_t>) {  // bf16: 16 lanes at a time, exp16 (common.h) for e^-x
-          // x / (1 + e) as x times the reciprocal: rcp14 and one Newton step (~1 ulp of float32, then rounded to
-          // bf16); a vdivps is ~half the time of this loop otherwise.
-          const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), cap = _mm512_set1_ps(80.f);
+        if constexpr (std::is_same_v<S, uint16_t>) {  // bf16: 16 lanes at a time (common.h's silu_mul16)
           for (; i0 + 16 <= I; i0 += 16) {
-            const __m512 x = load16(g + i0);
-            const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), cap));
-            const __m512 den = _mm512_add_ps(one, e);
-            const __m512 r0 = _mm512_rcp14_ps(den);
-            const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, two));
-            const __m512 act = round16(_mm512_mul_ps(x, r));
-            store16(o + i0, _mm512_mul_ps(act, load16(u + i0)));
+            store16(o + i0, silu_mul16(load16(g + i0), load16(u + i0)));
           }
         }
 #endif

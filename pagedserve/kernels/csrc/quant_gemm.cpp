@@ -569,6 +569,21 @@ inline void write_panels(const float* acc, int64_t as, int64_t rows, int np, int
   }
 }
 
+#ifdef PAGEDSERVE_AVX512
+// The fused SwiGLU epilogue: np panels (from p0) of gate sums at acc[r * as + 16 j] and of up sums `up` floats
+// further, each rounded to bf16 as the matmul's bf16 output is, then silu_mul16 (silu_and_mul's arithmetic) into
+// y (row stride I).
+template <typename OT>
+inline void write_silu(const float* acc, int64_t as, int64_t rows, int np, int64_t p0, OT* y, int64_t I, int64_t up) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int j = 0; j < np; ++j) {
+      const float* a = acc + r * as + j * 16;
+      store16(y + r * I + (p0 + j) * 16, silu_mul16(round16(_mm512_loadu_ps(a)), round16(_mm512_loadu_ps(a + up))));
+    }
+  }
+}
+#endif
+
 constexpr int64_t kGemvRows = 4;  // up to here: the few-rows path
 
 // The few-rows driver: threads split the groups of P (1 or 2) panels; kernel(np, p0, acc) fills the M x 16 np
@@ -1053,33 +1068,47 @@ constexpr int64_t kAmxKBlockBytes = 36864;  // a k block's B (panel pair) and A 
 constexpr int64_t kAmxWideBytes = 4 << 20;  // the many-rows route's shared widened weights at a time
 constexpr int64_t kAmxXBytes = 1 << 20;     // up to here x stays in L2: groups split, widened per thread
 
-template <int64_t T, typename OT>
-void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
-                    int64_t K) {
+// The many-rows AMX matmul (M > kAmxGemvRows). With Silu, W is [gate; up] (N = 2 I, I % 16 == 0) and y is [M, I]:
+// silu(gate) * up per element, each value rounded to bf16 where silu_and_mul over the bf16 matmul rounds it (the
+// same bits as the two ops, without writing and re-reading the [M, 2 I] product).
+template <int64_t T, typename OT, bool Silu = false>
+void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
+                         int64_t N, int64_t K) {
   constexpr QuantType t = quant_type(T);
-  const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
-  if (M <= kAmxGemvRows) {
-    gemv_groups<kAmxGemvRows>(
-        M, 2, panels, bias, y, N,
-        [&](int np, int64_t p0, float* acc) {
-          if (np == 2) {
-            gemv_amx<T, 2>(x, xs, w + p0 * pstride, pstride, K, acc, 32);
-          } else {
-            gemv_amx<T, 1>(x, xs, w + p0 * pstride, pstride, K, acc, 16);
-          }
-        },
-        [&] { return amx::Tiles(static_cast<int>(M)); });
-    return;
-  }
-  // Many rows, in work items of (a block of rows, a group of 4 panels = 64 columns) over the group's weights
-  // widened into a bf16 pair buffer. Pairs of full row tiles run K-blocked: per k block, a panel pair's B (kc x 32
-  // bf16) stays in L1 while the row pairs' A tiles stream past it (unblocked, B and A of a 32 x 32 block over
-  // K = 576 are 72 KB together, past L1, and both came from L2 at every step). C goes to acc between k blocks.
+  const int64_t pstride = 16 * (K / t.block_size) * t.block_bytes;
+  // Work items of (a block of rows, a group of 4 panels = 64 output columns; with Silu, 4 gate panels and the 4 up
+  // panels of the same columns) over the group's weights widened into a bf16 pair buffer, one slot per panel (with
+  // Silu, up in slots 4-7). Pairs of full row tiles run K-blocked: per k block, a panel pair's B (kc x 32 bf16)
+  // stays in L1 while the row pairs' A tiles stream past it (unblocked, B and A of a 32 x 32 block over K = 576
+  // are 72 KB together, past L1, and both came from L2 at every step). C goes to acc between k blocks.
+  const int64_t panels = Silu ? N / 32 : (N + 15) / 16;  // per side
+  const int64_t up0 = Silu ? N / 32 : 0;                  // the first up panel
+  constexpr int sides = Silu ? 2 : 1;
+  constexpr int64_t as = sides * kBfPanels * 16;
   const int64_t groups = (panels + kBfPanels - 1) / kBfPanels;
-  const int64_t gsize = kBfPanels * K * 16;  // bf16 per group
+  const int64_t gsize = sides * kBfPanels * K * 16;  // bf16 per group
   const int64_t nkb = std::max<int64_t>(1, (K * 128 + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
   const int64_t kc = ((K + nkb - 1) / nkb + 31) / 32 * 32;
-  constexpr int64_t as = kBfPanels * 16;
+  const int64_t I = N / 2;
+  // Slot s of group g: its panel index in w, or -1 past the last panel.
+  auto slot_panel = [&](int64_t g, int64_t s) -> int64_t {
+    const int64_t j = s % kBfPanels, p = g * kBfPanels + j;
+    if (p >= panels) return -1;
+    return s < kBfPanels ? p : up0 + p;
+  };
+  auto widen_group = [&](int64_t g, uint16_t* buf) {
+    for (int64_t s = 0; s < sides * kBfPanels; ++s) {
+      const int64_t p = slot_panel(g, s);
+      if (p >= 0) widen_panel_bf16<T>(w + p * pstride, K, buf + s * K * 16);
+    }
+  };
+  auto write = [&](const float* acc, int64_t rows, int64_t r, int64_t p0, int np) {
+    if constexpr (Silu) {
+      write_silu(acc, as, rows, np, p0, y + r * I, I, kBfPanels * 16);
+    } else {
+      write_panels(acc, as, rows, np, p0, bias, y + r * N, N);
+    }
+  };
   auto item = [&](const uint16_t* buf, int64_t m0, int64_t mb, int64_t p0, float* acc, amx::Tiles& tiles) {
     const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
     const int64_t full = mb / 32 * 32;
@@ -1087,39 +1116,45 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
       tiles.use(16);
       for (int64_t ka = 0; ka < K; ka += kc) {
         const int64_t kz = std::min(K, ka + kc);
-        for (int j = 0; j < np; j += 2) {
-          for (int64_t r0 = 0; r0 < full; r0 += 32) {
-            const uint16_t* xr = x + (m0 + r0) * xs;
-            if (np - j >= 2) {
-              amx_block<2, 2>(xr, xs, 16, buf + j * K * 16, K, acc + r0 * as + j * 16, as, ka, kz);
-            } else {
-              amx_block<2, 1>(xr, xs, 16, buf + j * K * 16, K, acc + r0 * as + j * 16, as, ka, kz);
+        for (int side = 0; side < sides; ++side) {
+          for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2) {
+            const bool pair = side * kBfPanels + np - j >= 2;
+            for (int64_t r0 = 0; r0 < full; r0 += 32) {
+              const uint16_t* xr = x + (m0 + r0) * xs;
+              if (pair) {
+                amx_block<2, 2>(xr, xs, 16, buf + j * K * 16, K, acc + r0 * as + j * 16, as, ka, kz);
+              } else {
+                amx_block<2, 1>(xr, xs, 16, buf + j * K * 16, K, acc + r0 * as + j * 16, as, ka, kz);
+              }
             }
           }
         }
       }
-      write_panels(acc, as, full, np, p0, bias, y + m0 * N, N);
+      write(acc, full, m0, p0, np);
     }
     for (int64_t r0 = full; r0 < mb;) {  // one full row tile, or the last rows (below 16) alone
       const int rows = static_cast<int>(std::min<int64_t>(16, mb - r0));
       tiles.use(rows);
-      for (int j = 0; j < np; j += 2) {
-        const int PT = std::min(2, np - j);
-        amx_block_any(1, PT, x + (m0 + r0) * xs, xs, rows, buf + j * K * 16, K, acc + j * 16, as);
+      for (int side = 0; side < sides; ++side) {
+        for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2) {
+          const int PT = std::min<int>(2, static_cast<int>(side * kBfPanels + np - j));
+          amx_block_any(1, PT, x + (m0 + r0) * xs, xs, rows, buf + j * K * 16, K, acc + j * 16, as);
+        }
       }
-      write_panels(acc, as, rows, np, p0, bias, y + (m0 + r0) * N, N);
+      write(acc, rows, m0 + r0, p0, np);
       r0 += rows;
     }
   };
   if (M * K * 2 <= kAmxXBytes) {
     // x fits in L2 beside the rest: the threads split the groups, each widening its own into a private buffer.
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      GroupWeights gw(K);
       Scratch scratch(M * as);
+      std::vector<uint16_t> bv(gsize + 32);
+      uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(bv.data()) + 63) & ~uintptr_t(63));
       amx::Tiles tiles;
       for (int64_t g = g0; g < g1; ++g) {
-        const GroupItem gi(g, 1, M, M, panels);
-        item(gw.of<T>(gi, w, pstride, K), 0, M, gi.p0, scratch.p, tiles);
+        widen_group(g, buf);
+        item(buf, 0, M, g * kBfPanels, scratch.p, tiles);
       }
     });
     return;
@@ -1138,11 +1173,14 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
   if (static_cast<int64_t>(wide_v.size()) < G * gsize + 32) wide_v.resize(G * gsize + 32);
   uint16_t* const wide =
       reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wide_v.data()) + 63) & ~uintptr_t(63));
+  constexpr int64_t slots = sides * kBfPanels;
   for (int64_t g0 = 0; g0 < groups; g0 += G) {
     const int64_t gn = std::min(G, groups - g0);
-    const int64_t pn = std::min(gn * kBfPanels, panels - g0 * kBfPanels);
-    at::parallel_for(0, pn, 1, [&](int64_t q0, int64_t q1) {
-      for (int64_t q = q0; q < q1; ++q) widen_panel_bf16<T>(w + (g0 * kBfPanels + q) * pstride, K, wide + q * K * 16);
+    at::parallel_for(0, gn * slots, 1, [&](int64_t q0, int64_t q1) {
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p = slot_panel(g0 + q / slots, q % slots);
+        if (p >= 0) widen_panel_bf16<T>(w + p * pstride, K, wide + q * K * 16);
+      }
     });
     at::parallel_for(0, mblocks * gn, 1, [&](int64_t i0, int64_t i1) {
       Scratch scratch(MB * as);
@@ -1153,6 +1191,27 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
       }
     });
   }
+}
+
+template <int64_t T, typename OT>
+void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
+                    int64_t K) {
+  constexpr QuantType t = quant_type(T);
+  const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
+  if (M <= kAmxGemvRows) {
+    gemv_groups<kAmxGemvRows>(
+        M, 2, panels, bias, y, N,
+        [&](int np, int64_t p0, float* acc) {
+          if (np == 2) {
+            gemv_amx<T, 2>(x, xs, w + p0 * pstride, pstride, K, acc, 32);
+          } else {
+            gemv_amx<T, 1>(x, xs, w + p0 * pstride, pstride, K, acc, 16);
+          }
+        },
+        [&] { return amx::Tiles(static_cast<int>(M)); });
+    return;
+  }
+  quant_gemm_amx_rows<T, OT>(x, xs, w, bias, y, M, N, K);
 }
 #endif
 
@@ -1366,6 +1425,31 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
   TORCH_CHECK(false, "quant_linear_bf16: this build has no AVX512-BF16");
   return y;
 #endif
+}
+
+// SwiGLU over quant_linear_bf16: silu(gate) * up of y = x @ Wb.T, W = [gate; up] (N = 2 I rows, I % 16 == 0, no
+// bias), bf16 out [M, I]: the same bits as silu_and_mul(quant_linear_bf16(x, ..., bf16)). Where the AMX many-rows
+// route runs, fused (the [M, 2 I] product is never written); elsewhere those two ops.
+torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
+                                     int64_t K) {
+  using namespace quant_detail;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_linear_bf16_silu: x must be bfloat16");
+  TORCH_CHECK(N > 0 && N % 32 == 0, "quant_linear_bf16_silu: n must be 2 I with I a multiple of 16, got ", N);
+  const torch::Tensor& p = checked_linear(x, packed, type, N, K, torch::kBFloat16, "quant_linear_bf16_silu");
+  const int64_t M = x.size(0);
+#ifdef PAGEDSERVE_QUANT_AMX
+  if (M > kAmxGemvRows && amx_active()) {
+    auto y = torch::empty({M, N / 2}, x.options());
+    const uint16_t* xp = ptr<uint16_t>(x);
+    const uint8_t* wp = p.data_ptr<uint8_t>();
+    dispatch_type(type, [&]<int64_t T>() {
+      quant_gemm_amx_rows<T, uint16_t, true>(xp, x.stride(0), wp, nullptr, ptr<uint16_t>(y), M, N, K);
+    });
+    return y;
+  }
+#endif
+  (void)p;
+  return silu_and_mul(quant_linear_bf16(x, packed, type, N, K, c10::nullopt, torch::kBFloat16));
 }
 
 // The dequantized rows ids (any shape, int64; each below 16 * panels: rows of the padding are 0) -> [..., K].
