@@ -937,8 +937,9 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
 //     (zeros past the sequence's last key);
 //   * 16 query vectors at a time (one tile: their q as (d, d + 1) pairs, [d / 2][16 vectors]): the scores of a block
 //     are S^T [32 keys][16 vectors], two C tiles of TDPBF16PS over the D / 32 chunks of d, in order;
-//   * online softmax over absolute 32-key blocks, lane-wise on AVX-512 (max over the block's keys, exp16, masked
-//     past each vector's context), probabilities rounded to bf16 as (key 2 t, 2 t + 1) pairs: P^T, a B tile;
+//   * online softmax over absolute 32-key blocks, lane-wise on AVX-512 (max over the block's keys, exp2_16 of the
+//     scores in log2 units, masked past each vector's context), probabilities rounded to bf16 as (key 2 t, 2 t + 1)
+//     pairs: P^T, a B tile;
 //   * O^T [D][16 vectors] += V^T P^T (one TDPBF16PS per 16 d). For D = 64 the four O^T tiles stay in tile registers
 //     across blocks; when some vector's max grows they are stored, scaled by each vector's e^(m_old - m_new) (1.0
 //     exactly for the others) and reloaded. Other D keep O^T in memory: acc = acc * alpha + P.V per block.
@@ -994,14 +995,16 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
   const bool resident = D == 64;  // O^T in tiles 0-3 across blocks
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) uint32_t qT[(256 / 2) * 16];
-    alignas(64) float sT[kBlock * 16];
+    alignas(64) float sT2[2][kBlock * 16];
     alignas(64) uint32_t pT[16 * 16];
     alignas(64) float pv[256 * 16];
     alignas(64) float acc[256 * 16];
     alignas(64) int32_t ctx_l[16];
     const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                               21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), scv = _mm512_set1_ps(scale);
+    const __m512i dcol = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+    // Scores in log2 units (scale * log2 e folded in), so that e^(s - m) is exp2_16 of their difference.
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), scv = _mm512_set1_ps(scale * 1.4426950408889634f);
     amx::Tiles tiles;
     tiles.use(16);
     for (int64_t tid = t0; tid < t1; ++tid) {
@@ -1033,11 +1036,10 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
             _tile_zero(2);
             _tile_zero(3);
           }
-          for (int64_t jb = 0; jb * kBlock < cmax; ++jb) {
-            const int64_t j0 = jb * kBlock;
+          // S^T of block jb: keys 0-15 (tile 4) and 16-31 (tile 5) x 16 vectors, into dst.
+          auto scores = [&](int64_t jb, float* dst) {
             const uint16_t* kd = kb + jb * blk;
-            const uint16_t* vd = vb + jb * blk;
-            _tile_zero(4);  // S^T: keys 0-15 (tile 4) and 16-31 (tile 5) x 16 vectors
+            _tile_zero(4);
             _tile_zero(5);
             for (int64_t c = 0; c < D / 32; ++c) {
               _tile_loadd(7, qT + c * 16 * 16, 64);
@@ -1046,8 +1048,19 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
               _tile_loadd(6, kd + 16 * D + c * 32, D * 2);
               _tile_dpbf16ps(5, 6, 7);
             }
-            _tile_stored(4, sT, 64);
-            _tile_stored(5, sT + 16 * 16, 64);
+            _tile_stored(4, dst, 64);
+            _tile_stored(5, dst + 16 * 16, 64);
+          };
+          // One block ahead: the next block's S^T tiles are issued before this block's softmax (which reads the
+          // other sT buffer), so the AMX work and the AVX-512 softmax overlap instead of taking turns (tiles are
+          // not renamed: in program order S(jb + 1) waits for P.V(jb - 1) only, and softmax(jb) for nothing).
+          const int64_t nblk = (cmax + kBlock - 1) / kBlock;
+          scores(0, sT2[0]);
+          for (int64_t jb = 0; jb < nblk; ++jb) {
+            const int64_t j0 = jb * kBlock;
+            const uint16_t* vd = vb + jb * blk;
+            if (jb + 1 < nblk) scores(jb + 1, sT2[(jb + 1) & 1]);
+            const float* sT = sT2[jb & 1];
             const bool masked = j0 + kBlock > cmin;  // some vector does not see every key of the block
             __m512 sj[kBlock];
             __mmask16 vis[kBlock];
@@ -1063,11 +1076,13 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
             }
             const __m512 mnew = _mm512_max_ps(mv, bmax);
             const __mmask16 grew = _mm512_cmp_ps_mask(mnew, mv, _CMP_NEQ_OQ);
-            const __m512 alpha = exp16(_mm512_sub_ps(mv, mnew));  // 1.0 exactly where the max did not grow
+            // 1.0 exactly where the max did not grow (2^0); the first block's mv is -inf: clamped, 2^-200 = 0
+            const __m512 alpha = exp2_16(_mm512_max_ps(_mm512_sub_ps(mv, mnew), _mm512_set1_ps(-200.f)));
             __m512 psum = _mm512_setzero_ps();
             _Pragma("GCC unroll 16")
             for (int64_t t = 0; t < kBlock / 2; ++t) {
-              __m512 p0 = exp16(_mm512_sub_ps(sj[2 * t], mnew)), p1 = exp16(_mm512_sub_ps(sj[2 * t + 1], mnew));
+              // masked keys' -inf scores give NaN here, zeroed just below
+              __m512 p0 = exp2_16(_mm512_sub_ps(sj[2 * t], mnew)), p1 = exp2_16(_mm512_sub_ps(sj[2 * t + 1], mnew));
               if (masked) {
                 p0 = _mm512_maskz_mov_ps(vis[2 * t], p0);
                 p1 = _mm512_maskz_mov_ps(vis[2 * t + 1], p1);
@@ -1119,12 +1134,16 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
             _tile_stored(2, acc + 512, 64);
             _tile_stored(3, acc + 768, 64);
           }
-          const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), lv);
-          for (int64_t d = 0; d < D; ++d) _mm512_store_ps(acc + d * 16, _mm512_mul_ps(_mm512_load_ps(acc + d * 16), inv));
-          for (int64_t v = 0; v < nv; ++v) {
+          alignas(64) float inv[16];
+          _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), lv));
+          for (int64_t v = 0; v < nv; ++v) {  // vector v's outputs: column v of O^T, 16 d at a time
             const int64_t m = m0 + v;
             uint16_t* o = out + ((r0 + m / group) * H + kvh * group + m % group) * D;
-            for (int64_t d = 0; d < D; ++d) o[d] = Elem<uint16_t>::store(acc[d * 16 + v]);
+            const __m512 iv = _mm512_set1_ps(inv[v]);
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+              const __m512i idx = _mm512_add_epi32(dcol, _mm512_set1_epi32(static_cast<int32_t>(d0 * 16 + v)));
+              store16(o + d0, _mm512_mul_ps(_mm512_i32gather_ps(idx, acc, 4), iv));
+            }
           }
         }
       }

@@ -114,6 +114,22 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x for 16 lanes of finite x (no clamp: far below -126 the result is 0 or a denormal, never NaN; a lane that is
+// -inf comes out NaN and must be masked by the caller): 2^n * poly(r), n = round(x), r = x - n (exact), |r| <= 1/2,
+// poly the degree-5 Taylor polynomial of 2^r (relative error ~3e-6 -- far below a bf16 rounding). Half the
+// instructions of exp16: the attention kernels fold log2(e) into their score scale and use this for e^x.
+inline __m512 exp2_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // silu(g) rounded to bf16, times u (g, u bf16 values as float32; the caller rounds the product): silu_and_mul's
 // arithmetic, shared by the fused matmul epilogue so both give the same bits. g / (1 + e^-g) as g times the
 // reciprocal (rcp14 and one Newton step: ~1 ulp of float32 before the bf16 rounding; a vdivps took ~half the
