@@ -150,10 +150,6 @@ namespace strict {
 constexpr int64_t kRowTile = 8;
 constexpr int64_t kAlignFloats = 16;  // score rows start 64-byte aligned: the same code path for every row
 
-inline float* align64(std::vector<float>& buf, size_t n) {
-  buf.resize(n + kAlignFloats);
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-}
 
 // The tiled version for head_dim % 16 == 0: both matmuls of attention run fixed::tile, so each score is
 // one FMA chain over d and each output element one FMA chain over the keys in order (the tile's rows
@@ -379,6 +375,23 @@ inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
   return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
 }
 
+// For the n keys from j0 of a bf16 scores pass: the K and V rows of keys j0 + kPrefetchKeys .. + n (random blocks:
+// no hardware prefetch; a DRAM miss takes far longer than n keys' dots), and at the start (j0 = 0) also the first
+// kPrefetchKeys: K into L1 for this pass, V into L2 for the P.V pass after.
+inline void prefetch_ahead(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS,
+                           int64_t row, int64_t D, int64_t j0, int64_t n) {
+  const int64_t pf0 = j0 == 0 ? 0 : j0 + kPrefetchKeys, pf1 = std::min(S, j0 + kPrefetchKeys + n);
+  for (int64_t j = pf0; j < pf1; ++j) {
+    const int64_t off = table[j / BS] * BS * row + (j % BS) * row;
+    const char* pk = reinterpret_cast<const char*>(kc + off);
+    const char* pv = reinterpret_cast<const char*>(vc + off);
+    for (int64_t o = 0; o < D * 2; o += 64) {
+      _mm_prefetch(pk + o, _MM_HINT_T0);
+      _mm_prefetch(pv + o, _MM_HINT_T1);
+    }
+  }
+}
+
 template <int G, int ND>
 void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t S,
                       int64_t BS, int64_t row, int64_t D, float scale, float* sc) {
@@ -396,20 +409,7 @@ void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < S; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, S - j0);
-    // The rows kPrefetchKeys ahead (random blocks: no hardware prefetch; a DRAM miss takes far longer than 16 keys'
-    // dots), and at the start the first kPrefetchKeys: K into L1 for this pass, V into L2 for the P.V pass after.
-    const int64_t pf0 = j0 == 0 ? 0 : j0 + kPrefetchKeys, pf1 = std::min(S, j0 + kPrefetchKeys + 16);
-    if (pf0 < pf1) {
-      for (int64_t j = pf0; j < pf1; ++j) {
-        const int64_t off = table[j / BS] * BS * row + (j % BS) * row;
-        const char* pk = reinterpret_cast<const char*>(kc + off);
-        const char* pv = reinterpret_cast<const char*>(vc + off);
-        for (int64_t o = 0; o < D * 2; o += 64) {
-          _mm_prefetch(pk + o, _MM_HINT_T0);
-          _mm_prefetch(pv + o, _MM_HINT_T1);
-        }
-      }
-    }
+    prefetch_ahead(kc, vc, table, S, BS, row, D, j0, 16);
     __m512 d4[G][4];  // level-2 results: 4 keys each
     _Pragma("GCC unroll 4")
     for (int quad = 0; quad < 4; ++quad) {
@@ -466,16 +466,7 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
   const __m512 sv = _mm512_set1_ps(scale);
   const int64_t rb = row * 2;
   for (int64_t j0 = 0; j0 < S; j0 += 32) {
-    const int64_t pf0 = j0 == 0 ? 0 : j0 + kPrefetchKeys, pf1 = std::min(S, j0 + kPrefetchKeys + 32);
-    for (int64_t j = pf0; j < pf1; ++j) {  // as scores_pass_bf16: K into L1, V into L2
-      const int64_t off = table[j / BS] * BS * row + (j % BS) * row;
-      const char* pk = reinterpret_cast<const char*>(kc + off);
-      const char* pv = reinterpret_cast<const char*>(vc + off);
-      for (int64_t o = 0; o < D * 2; o += 64) {
-        _mm_prefetch(pk + o, _MM_HINT_T0);
-        _mm_prefetch(pv + o, _MM_HINT_T1);
-      }
-    }
+    prefetch_ahead(kc, vc, table, S, BS, row, D, j0, 32);
     const uint16_t* k0 = kc + table[j0 / BS] * BS * row + (j0 % BS) * row;
     _tile_zero(0);
     _tile_loadd(2, k0, rb);
@@ -520,7 +511,7 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
   bool done = false;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t>) {
-    if (tiles && G <= 16) {  // decode_avx512 checked D and the block size
+    if (tiles) {  // decode_avx512 checked D and the block size
       scores_pass_amx<G>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
       done = true;
     }
@@ -528,14 +519,12 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
 #endif
 #ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
-    if (!done) {
-    if (D == 64) {
+    if (!done && D == 64) {
       scores_pass_bf16<G, 2>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
       done = true;
-    } else if (D == 128) {
+    } else if (!done && D == 128) {
       scores_pass_bf16<G, 4>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
       done = true;
-    }
     }
   }
 #endif

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -45,6 +46,13 @@ struct Elem<uint16_t> {
 template <typename S>
 inline float round_to(float x) {
   return Elem<S>::load(Elem<S>::store(x));
+}
+
+// v resized to hold n elements from a 64-byte boundary; returns that boundary (scratch buffers of the kernels).
+template <typename T>
+inline T* align64(std::vector<T>& v, size_t n) {
+  v.resize(n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
 }
 
 template <typename S>

@@ -528,9 +528,7 @@ inline void gemv_rows(int64_t R, const float* x, int64_t xs, const uint8_t* pane
 struct Scratch {
   std::vector<float> v;
   float* p;
-  explicit Scratch(int64_t n) : v(n + 16) {
-    p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
-  }
+  explicit Scratch(int64_t n) : p(align64(v, n)) {}
 };
 
 template <typename OT>
@@ -765,9 +763,7 @@ struct GroupWeights {
   std::vector<uint16_t> v;
   uint16_t* buf;
   int64_t widened = -1;
-  explicit GroupWeights(int64_t K) : v(kBfPanels * K * 16 + 32) {
-    buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
-  }
+  explicit GroupWeights(int64_t K) : buf(align64(v, kBfPanels * K * 16)) {}
   // The item's group as bf16 pairs [panel][k / 2][16 rows][2] (see widen_panel_bf16, defined below).
   template <int64_t T>
   const uint16_t* of(const GroupItem& item, const uint8_t* w, int64_t pstride, int64_t K);
@@ -1149,8 +1145,8 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
     // x fits in L2 beside the rest: the threads split the groups, each widening its own into a private buffer.
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       Scratch scratch(M * as);
-      std::vector<uint16_t> bv(gsize + 32);
-      uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(bv.data()) + 63) & ~uintptr_t(63));
+      std::vector<uint16_t> bv;
+      uint16_t* buf = align64(bv, gsize);
       amx::Tiles tiles;
       for (int64_t g = g0; g < g1; ++g) {
         widen_group(g, buf);
@@ -1169,10 +1165,8 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   const int64_t max_mb = std::max<int64_t>(32, (327680 / (2 * K)) / 32 * 32);
   const int64_t mblocks = ((M + max_mb - 1) / max_mb + nt - 1) / nt * nt;
   const int64_t MB = ((M + mblocks - 1) / mblocks + 31) / 32 * 32;
-  thread_local std::vector<uint16_t> wide_v;
-  if (static_cast<int64_t>(wide_v.size()) < G * gsize + 32) wide_v.resize(G * gsize + 32);
-  uint16_t* const wide =
-      reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wide_v.data()) + 63) & ~uintptr_t(63));
+  thread_local std::vector<uint16_t> wide_v;  // kept across calls (resizing down keeps its memory)
+  uint16_t* const wide = align64(wide_v, G * gsize);
   constexpr int64_t slots = sides * kBfPanels;
   for (int64_t g0 = 0; g0 < groups; g0 += G) {
     const int64_t gn = std::min(G, groups - g0);
