@@ -662,99 +662,27 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 namespace pagedserve {
 namespace rows_bf16 {
 
-// The row kernel for bf16 queries and a bf16 cache on AVX512-BF16 CPUs: flash-style (online softmax over
-// 16-key blocks), both matmuls on vdpbf16ps pair dot products with float32 sums, probabilities rounded to bf16
-// for the P.V product (as PyTorch's CPU flash attention does for bf16). Still a row kernel: a query row's
-// arithmetic depends only on its own q, its context length and the keys, because
-//   * key blocks are absolute (keys 16 j .. 16 j + 15 of the sequence), visited in order from block 0;
-//   * a row skips every block that starts at or past its context, and masks the keys past it in its last one;
-//   * each score is one chain over the d pairs, each output lane one chain over the key pairs.
-// So a prompt's rows come out the same however it is chunked or batched (as strict::rows_kernel's do).
+// The row kernels for bf16 queries and a bf16 cache (AVX512-BF16 CPUs; AMX tiles where amx_active()): flash-style,
+// transposed so that a vector register holds 16 query vectors (one lane each) and the online softmax needs no
+// horizontal reductions:
+//   * per (sequence, kv head), K is laid out in rows [32-key block][32 keys][D] and V transposed [block][D][32 keys]
+//     (zeros past the sequence's last key), shared by all the sequence's query tiles;
+//   * 16 query vectors at a time (their q as (d, d + 1) pairs, qT [d / 2][16 vectors]): the scores of a block are
+//     S^T [32 keys][16 vectors], each one chain over the d pairs in order;
+//   * online softmax over absolute 32-key blocks, lane-wise (max over the block's keys, exp2_16 of the scores in
+//     log2 units, masked past each vector's context), probabilities rounded to bf16 as (key 2 t, 2 t + 1) pairs: P^T;
+//   * O^T [D][16 vectors] += V^T P^T, each output lane one chain over the block's key pairs, scaled by the vector's
+//     e^(m_old - m_new) (1.0 exactly where its max did not grow) when some vector's max grew.
+// Still row kernels: a lane's sums depend only on that vector's operands, and every step above is per vector in an
+// order fixed by its own context (blocks are absolute, keys 32 j .. 32 j + 31 of the sequence, visited in order from
+// block 0; a block a vector does not see leaves it unchanged: p = 0, alpha = 1), so a prompt's rows are the same bits
+// however it is chunked or batched (as strict::rows_kernel's are; the tests check it).
 //
-// A first pass lays each sequence's K out as blocks kT[d / 2][16 keys] of (d, d + 1) pairs and V as blocks
-// of (key 2t, key 2t + 1) pairs per d (zero past the sequence's last key), shared by all its query tiles.
-constexpr int64_t kKeys = 16;   // keys per block
+// Two routes run this scheme: vdpbf16ps (run_avx512: scores as 16 register chains of one key each with K pairs
+// broadcast from memory, P.V as 16 d of O^T in registers at a time) and AMX tiles (rows_amx::run). Their bits
+// differ (TDPBF16PS sums a step's pairs its own way); a process runs one of them (amx_active, switched by set_amx).
 constexpr int64_t kTile = 16;   // query rows per work item
-constexpr int64_t kVec = 4;     // query vectors whose P.V chains run interleaved
-constexpr int64_t kVecQ = 6;    // query vectors whose score chains run interleaved
-
-// Accumulator lane l of zmm u holds output d = perm(u, l): unpacklo/hi_epi16 interleave within 128-bit lanes.
-inline int64_t lane_d(int64_t u, int64_t l) { return (u / 2) * 32 + (l / 4) * 8 + (u % 2) * 4 + l % 4; }
-
-// Every (sequence, kv head)'s K and V laid out as 16-key blocks (see above): nblk[b] blocks per kv head (the last
-// one zero past the sequence's keys).
-struct Layout {
-  int64_t kt_words, vp_words;  // uint32 per K block (D / 2 * 16) and per V block (8 * D)
-  std::vector<int64_t> nblk, base;
-  std::vector<uint32_t> kt, vp;
-  const uint32_t* k_blocks(int64_t b, int64_t kvh) const { return kt.data() + (base[b] + kvh * nblk[b]) * kt_words; }
-  const uint32_t* v_blocks(int64_t b, int64_t kvh) const { return vp.data() + (base[b] + kvh * nblk[b]) * vp_words; }
-};
-
-Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables, const int64_t* seq_lens, int64_t B,
-               int64_t KVH, int64_t D, int64_t BS, int64_t W) {
-  const int64_t row = KVH * D, block_stride = BS * row;
-  Layout L;
-  L.kt_words = D / 2 * kKeys;
-  L.vp_words = kKeys / 2 * D;
-  L.nblk.resize(B);
-  L.base.assign(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    L.nblk[b] = (seq_lens[b] + kKeys - 1) / kKeys;
-    L.base[b + 1] = L.base[b] + L.nblk[b] * KVH;
-  }
-  L.kt.resize(L.base[B] * L.kt_words + 16);
-  L.vp.resize(L.base[B] * L.vp_words + 16);
-  const std::vector<int64_t>& nblk = L.nblk;
-  const std::vector<int64_t>& base = L.base;
-  const int64_t kt_words = L.kt_words, vp_words = L.vp_words;
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // (b, kvh * nblk + jb)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t x = 0; x < nblk[b] * KVH; ++x) blocks.emplace_back(b, x);
-  auto key_row = [&](const uint16_t* cache, int64_t b, int64_t j, int64_t kvh) {
-    return cache + block_tables[b * W + j / BS] * block_stride + (j % BS) * row + kvh * D;
-  };
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const auto [b, x] = blocks[i];
-      const int64_t kvh = x / nblk[b], jb = x % nblk[b], j0 = jb * kKeys, S = seq_lens[b];
-      uint32_t* kd = L.kt.data() + (base[b] + x) * kt_words;
-      uint32_t* vd = L.vp.data() + (base[b] + x) * vp_words;
-      for (int64_t t = 0; t < kKeys; ++t) {
-        if (j0 + t < S) {
-          const uint32_t* kr = reinterpret_cast<const uint32_t*>(key_row(kc, b, j0 + t, kvh));
-          _Pragma("GCC unroll 32")
-          for (int64_t p = 0; p < D / 2; ++p) kd[p * kKeys + t] = kr[p];
-        } else {
-          _Pragma("GCC unroll 32")
-          for (int64_t p = 0; p < D / 2; ++p) kd[p * kKeys + t] = 0;
-        }
-      }
-      const __m512i zero = _mm512_setzero_si512();
-      _Pragma("GCC unroll 32")
-      for (int64_t tp = 0; tp < kKeys / 2; ++tp) {
-        const int64_t ja = j0 + 2 * tp, jb2 = ja + 1;
-        const uint16_t* ra = ja < S ? key_row(vc, b, ja, kvh) : nullptr;
-        const uint16_t* rb = jb2 < S ? key_row(vc, b, jb2, kvh) : nullptr;
-        for (int64_t c = 0; c < D / 32; ++c) {
-          const __m512i a = ra ? _mm512_loadu_si512(ra + 32 * c) : zero;
-          const __m512i bb = rb ? _mm512_loadu_si512(rb + 32 * c) : zero;
-          _mm512_storeu_si512(vd + tp * D + (2 * c) * 16, _mm512_unpacklo_epi16(a, bb));
-          _mm512_storeu_si512(vd + tp * D + (2 * c + 1) * 16, _mm512_unpackhi_epi16(a, bb));
-        }
-      }
-    }
-  });
-  return L;
-}
-
-// Output d of accumulator position i (the V layout's lane order, lane_d).
-inline std::vector<int64_t> d_order(int64_t D) {
-  std::vector<int64_t> dperm(D);
-  for (int64_t u = 0; u < D / 16; ++u)
-    for (int64_t l = 0; l < 16; ++l) dperm[u * 16 + l] = lane_d(u, l);
-  return dperm;
-}
+constexpr int64_t kBlock = 32;  // keys per softmax block
 
 // Work items: (sequence, tile of kTile query rows, kv head), dealt round-robin to the threads (causal rows
 // late in a prompt cost more than early ones).
@@ -776,190 +704,38 @@ struct RowTile {
         M(R * group) {}
 };
 
-void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
-         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-         int64_t BS, int64_t W, float scale) {
-  const int64_t group = H / KVH;
-  const int64_t NU = D / 16;          // accumulator zmm per query vector
-  const Layout L = lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
-  const int64_t kt_words = L.kt_words, vp_words = L.vp_words;
-  const auto items = work_items(qsl, B, KVH);
-  const std::vector<int64_t> dperm = d_order(D);
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> accbuf(kTile * 8 * D + 16), mrow(kTile * 8), lrow(kTile * 8), abufv(kTile * 8);
-    std::vector<float> sbufv(kTile * 8 * kKeys + 16);
-    std::vector<uint32_t> pbufv(kTile * 8 * (kKeys / 2) + 8);
-    std::vector<char> fbufv(kTile * 8);
-    std::vector<int64_t> ctxv(kTile * 8);
-    for (int64_t tid = t0; tid < t1; ++tid) {
-      for (int64_t it = tid; it < n_items; it += nt) {
-        const RowTile tile(items[it], qsl, seq_lens, group);
-        const int64_t b = tile.b, r0 = tile.r0, kvh = tile.kvh, R = tile.R, first = tile.first, M = tile.M;
-        if (static_cast<int64_t>(mrow.size()) < M) {
-          accbuf.resize(M * D + 16);
-          mrow.resize(M);
-          lrow.resize(M);
-          ctxv.resize(M);
-          abufv.resize(M);
-          fbufv.resize(M);
-          sbufv.resize(M * kKeys + 16);
-          pbufv.resize(M * (kKeys / 2) + 8);
-        }
-        float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accbuf.data()) + 63) & ~uintptr_t(63));
-        float* sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbufv.data()) + 63) & ~uintptr_t(63));
-        uint32_t* pbuf = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pbufv.data()) + 31) & ~uintptr_t(31));
-        float* abuf = abufv.data();
-        char* fbuf = fbufv.data();
-        for (int64_t m = 0; m < M; ++m) {
-          ctxv[m] = first + m / group + 1;
-          lrow[m] = 0.f;
-          mrow[m] = 0.f;
-        }
-        const int64_t S_max = first + R;
-        const uint32_t* kblk = L.k_blocks(b, kvh);
-        const uint32_t* vblk = L.v_blocks(b, kvh);
-        for (int64_t jb = 0; jb * kKeys < S_max; ++jb) {
-          const int64_t j0 = jb * kKeys;
-          const uint32_t* kd = kblk + jb * kt_words;
-          const uint32_t* vd = vblk + jb * vp_words;
-          // Vectors that see some key of this block: a prefix [m_lo, M) of the tile's vectors (rows are in order).
-          int64_t m_lo = 0;
-          while (m_lo < M && ctxv[m_lo] <= j0) ++m_lo;
-          // Three passes over the tile's vectors, each with independent work side by side: scores, the
-          // online softmax, P.V.
-          for (int64_t m0 = m_lo; m0 < M; m0 += kVecQ) {
-            const int64_t nv = std::min(kVecQ, M - m0);
-            // Each score: two chains (even and odd d pairs), then their sum: 8 independent chains in flight.
-            __m512 sc[kVecQ], sc2[kVecQ];
-            _Pragma("GCC unroll 32")
-            for (int v = 0; v < kVecQ; ++v) sc[v] = sc2[v] = _mm512_setzero_ps();
-            const uint32_t* qp[kVecQ];
-            _Pragma("GCC unroll 32")
-            for (int v = 0; v < kVecQ; ++v) {
-              const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
-              qp[v] = reinterpret_cast<const uint32_t*>(q + (r0 + m / group) * qs + (kvh * group + m % group) * D);
-            }
-            for (int64_t p = 0; p < D / 2; p += 2) {
-              const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kd + p * kKeys);
-              const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kd + (p + 1) * kKeys);
-              _Pragma("GCC unroll 32")
-              for (int v = 0; v < kVecQ; ++v) {
-                sc[v] = _mm512_dpbf16_ps(sc[v], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[v][p])), k0);
-                sc2[v] = _mm512_dpbf16_ps(sc2[v], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[v][p + 1])), k1);
-              }
-            }
-            _Pragma("GCC unroll 32")
-            for (int v = 0; v < kVecQ; ++v)
-              if (v < nv) _mm512_store_ps(sbuf + (m0 + v) * kKeys, _mm512_mul_ps(_mm512_add_ps(sc[v], sc2[v]),
-                                                                                   _mm512_set1_ps(scale)));
-          }
-          for (int64_t m = m_lo; m < M; ++m) {  // online softmax of the block's scores
-            const int64_t vis_n = std::min<int64_t>(kKeys, ctxv[m] - j0);
-            const __mmask16 vis = static_cast<__mmask16>((1u << vis_n) - 1u);
-            const __m512 sv = _mm512_load_ps(sbuf + m * kKeys);
-            const float bmax = _mm512_mask_reduce_max_ps(vis, sv);
-            const bool fresh = lrow[m] == 0.f;
-            const float mnew = fresh ? bmax : std::max(mrow[m], bmax);
-            const __m512 pv = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-            const float alpha = fresh ? 0.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(mrow[m] - mnew)));
-            const float psum = _mm512_reduce_add_ps(pv);
-            lrow[m] = fresh ? psum : lrow[m] * alpha + psum;
-            mrow[m] = mnew;
-            abuf[m] = alpha;
-            fbuf[m] = fresh;
-            _mm256_store_si256(reinterpret_cast<__m256i*>(pbuf + m * (kKeys / 2)), (__m256i)_mm512_cvtneps_pbh(pv));
-          }
-          for (int64_t m0 = m_lo; m0 < M; m0 += kVec) {  // P.V, kVec vectors side by side
-            const int64_t nv = std::min(kVec, M - m0);
-            for (int64_t u0 = 0; u0 < NU; u0 += 4) {  // 4 zmm (64 d) of each vector's output at a time
-              const int64_t nu = std::min<int64_t>(4, NU - u0);
-              __m512 av[kVec][4];
-              _Pragma("GCC unroll 32")
-              for (int v = 0; v < kVec; ++v) {
-                const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
-                const float* a = acc + m * D + 16 * u0;
-                _Pragma("GCC unroll 32")
-                for (int64_t u = 0; u < 4; ++u)
-                  av[v][u] = (fbuf[m] || u >= nu) ? _mm512_setzero_ps()
-                                                  : _mm512_mul_ps(_mm512_load_ps(a + 16 * u), _mm512_set1_ps(abuf[m]));
-              }
-              _Pragma("GCC unroll 32")
-              for (int64_t tp = 0; tp < kKeys / 2; ++tp) {
-                __m512bh vv[4];
-                _Pragma("GCC unroll 32")
-                for (int64_t u = 0; u < 4; ++u)
-                  vv[u] = (__m512bh)_mm512_loadu_si512(vd + tp * D + (u0 + std::min<int64_t>(u, nu - 1)) * 16);
-                _Pragma("GCC unroll 32")
-                for (int v = 0; v < kVec; ++v) {
-                  const int64_t m = m0 + std::min<int64_t>(v, nv - 1);
-                  const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pbuf[m * (kKeys / 2) + tp]));
-                  _Pragma("GCC unroll 32")
-                  for (int64_t u = 0; u < 4; ++u) av[v][u] = _mm512_dpbf16_ps(av[v][u], pb, vv[u]);
-                }
-              }
-              _Pragma("GCC unroll 32")
-              for (int64_t v = 0; v < nv; ++v)
-                _Pragma("GCC unroll 32")
-                for (int64_t u = 0; u < nu; ++u) _mm512_store_ps(acc + (m0 + v) * D + 16 * (u0 + u), av[v][u]);
-            }
-          }
-        }
-        for (int64_t m = 0; m < M; ++m) {
-          const float inv = 1.f / lrow[m];
-          const float* a = acc + m * D;
-          uint16_t* o = out + ((r0 + m / group) * H + kvh * group + m % group) * D;
-          for (int64_t i = 0; i < D; ++i) o[dperm[i]] = Elem<uint16_t>::store(a[i] * inv);
-        }
-      }
-    }
-  });
-}
+// Every (sequence, kv head)'s K as rows [block][32 keys][D] and V^T [block][D][32 keys] (see above).
+struct Layout {
+  std::vector<int64_t> nb, base;
+  std::vector<uint16_t> kr, vt;
+  uint16_t *K0, *V0;
+  int64_t blk;  // uint16 per block of K (and of V)
+  const uint16_t* k_blocks(int64_t b, int64_t kvh) const { return K0 + (base[b] + kvh * nb[b]) * blk; }
+  const uint16_t* v_blocks(int64_t b, int64_t kvh) const { return V0 + (base[b] + kvh * nb[b]) * blk; }
+};
 
-}  // namespace rows_bf16
-
-#ifdef PAGEDSERVE_AMX
-// The same row kernel on AMX tiles (Sapphire Rapids and later, where amx_active()), transposed so that a vector
-// register holds 16 query vectors (one lane each) and the online softmax needs no horizontal reductions:
-//   * per (sequence, kv head), K is laid out in rows [32-key block][32 keys][D] and V transposed [block][D][32 keys]
-//     (zeros past the sequence's last key);
-//   * 16 query vectors at a time (one tile: their q as (d, d + 1) pairs, [d / 2][16 vectors]): the scores of a block
-//     are S^T [32 keys][16 vectors], two C tiles of TDPBF16PS over the D / 32 chunks of d, in order;
-//   * online softmax over absolute 32-key blocks, lane-wise on AVX-512 (max over the block's keys, exp2_16 of the
-//     scores in log2 units, masked past each vector's context), probabilities rounded to bf16 as (key 2 t, 2 t + 1)
-//     pairs: P^T, a B tile;
-//   * O^T [D][16 vectors] += V^T P^T (one TDPBF16PS per 16 d). For D = 64 the four O^T tiles stay in tile registers
-//     across blocks; when some vector's max grows they are stored, scaled by each vector's e^(m_old - m_new) (1.0
-//     exactly for the others) and reloaded. Other D keep O^T in memory: acc = acc * alpha + P.V per block.
-// A tile column's sums depend only on that vector's operands, and every step above is per vector in an order fixed
-// by its own context (a block it does not see leaves it unchanged: p = 0, alpha = 1), so this is a row kernel too: a
-// prompt's rows are the same bits chunked or whole, alone or batched (the tests check it). Its bits differ from the
-// vdpbf16ps kernel's; a process runs one of them (amx_active, switched by set_amx).
-namespace rows_amx {
-using rows_bf16::kTile;
-using rows_bf16::RowTile;
-constexpr int64_t kBlock = 32;  // keys per softmax block
-
-void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
-         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-         int64_t BS, int64_t W, float scale) {
-  const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row, blk = kBlock * D;
-  std::vector<int64_t> nb(B), base(B + 1, 0);
+inline Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables, const int64_t* seq_lens,
+                      int64_t B, int64_t KVH, int64_t D, int64_t BS, int64_t W) {
+  const int64_t row = KVH * D, block_stride = BS * row;
+  Layout L;
+  L.blk = kBlock * D;
+  L.nb.resize(B);
+  L.base.assign(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    nb[b] = (seq_lens[b] + kBlock - 1) / kBlock;
-    base[b + 1] = base[b] + nb[b] * KVH;
+    L.nb[b] = (seq_lens[b] + kBlock - 1) / kBlock;
+    L.base[b + 1] = L.base[b] + L.nb[b] * KVH;
   }
-  std::vector<uint16_t> kr(base[B] * blk + 64), vt(base[B] * blk + 64);
-  auto aligned16 = [](std::vector<uint16_t>& v) {
-    return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
-  };
-  uint16_t* K0 = aligned16(kr);
-  uint16_t* V0 = aligned16(vt);
+  const std::vector<int64_t>& nb = L.nb;
+  const std::vector<int64_t>& base = L.base;
+  const int64_t blk = L.blk;
+  L.K0 = align64(L.kr, base[B] * blk);
+  L.V0 = align64(L.vt, base[B] * blk);
+  uint16_t* K0 = L.K0;
+  uint16_t* V0 = L.V0;
   auto cache_row = [&](const uint16_t* cache, int64_t b, int64_t j, int64_t kvh) {
     return cache + block_tables[b * W + j / BS] * block_stride + (j % BS) * row + kvh * D;
   };
-  at::parallel_for(0, base[B], 4, [&](int64_t i0, int64_t i1) {  // the layout pass, one 32-key block at a time
+  at::parallel_for(0, base[B], 4, [&](int64_t i0, int64_t i1) {  // one 32-key block at a time
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = std::upper_bound(base.begin(), base.end(), i) - base.begin() - 1;
       const int64_t x = i - base[b], kvh = x / nb[b], j0 = (x % nb[b]) * kBlock, S = seq_lens[b];
@@ -978,6 +754,188 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
       }
     }
   });
+  return L;
+}
+
+// The 16 query vectors m0 .. m0 + nv - 1 of a tile as qT [d / 2][16] (d, d + 1) pairs, and each one's context length
+// in ctx_l. Padding lanes: a vector of zeros that sees key 0 (finite everywhere, never written out).
+inline void load_vectors(const uint16_t* q, int64_t qs, const RowTile& tile, int64_t m0, int64_t nv, int64_t group,
+                         int64_t D, uint32_t* qT, int32_t* ctx_l) {
+  for (int64_t v = 0; v < 16; ++v) {
+    const int64_t m = m0 + v;
+    if (v < nv) {
+      const uint32_t* qr =
+          reinterpret_cast<const uint32_t*>(q + (tile.r0 + m / group) * qs + (tile.kvh * group + m % group) * D);
+      for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = qr[p];
+      ctx_l[v] = static_cast<int32_t>(tile.first + m / group + 1);
+    } else {
+      for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = 0;
+      ctx_l[v] = 1;
+    }
+  }
+}
+
+// One block's online softmax step for 16 vectors: sT [32 keys][16 vectors] raw scores of the block at key j0, scv
+// the score scale times log2 e. Updates the running max mv and sum lv, writes P^T as bf16 (key 2 t, 2 t + 1) pairs
+// to pT [16][16], sets grew (the lanes whose max grew) and returns each lane's alpha = e^(m_old - m_new).
+inline __m512 softmax_block(const float* sT, __m512i ctx, int64_t j0, bool masked, __m512 scv, __m512& mv, __m512& lv,
+                            uint32_t* pT, __mmask16& grew) {
+  const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 sj[kBlock];
+  __mmask16 vis[kBlock];
+  __m512 bmax = ninf;
+  _Pragma("GCC unroll 32")
+  for (int64_t j = 0; j < kBlock; ++j) {
+    sj[j] = _mm512_mul_ps(_mm512_load_ps(sT + j * 16), scv);
+    if (masked) {
+      vis[j] = _mm512_cmpgt_epi32_mask(ctx, _mm512_set1_epi32(static_cast<int32_t>(j0 + j)));
+      sj[j] = _mm512_mask_blend_ps(vis[j], ninf, sj[j]);
+    }
+    bmax = _mm512_max_ps(bmax, sj[j]);
+  }
+  const __m512 mnew = _mm512_max_ps(mv, bmax);
+  grew = _mm512_cmp_ps_mask(mnew, mv, _CMP_NEQ_OQ);
+  // 1.0 exactly where the max did not grow (2^0); the first block's mv is -inf: clamped, 2^-200 = 0
+  const __m512 alpha = exp2_16(_mm512_max_ps(_mm512_sub_ps(mv, mnew), _mm512_set1_ps(-200.f)));
+  __m512 psum = _mm512_setzero_ps();
+  _Pragma("GCC unroll 16")
+  for (int64_t t = 0; t < kBlock / 2; ++t) {
+    // masked keys' -inf scores give NaN here, zeroed just below
+    __m512 p0 = exp2_16(_mm512_sub_ps(sj[2 * t], mnew)), p1 = exp2_16(_mm512_sub_ps(sj[2 * t + 1], mnew));
+    if (masked) {
+      p0 = _mm512_maskz_mov_ps(vis[2 * t], p0);
+      p1 = _mm512_maskz_mov_ps(vis[2 * t + 1], p1);
+    }
+    psum = _mm512_add_ps(psum, _mm512_add_ps(p0, p1));
+    _mm512_store_si512(pT + t * 16, _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+  }
+  lv = _mm512_fmadd_ps(lv, alpha, psum);
+  mv = mnew;
+  return alpha;
+}
+
+// Vector m0 + v's output (v < nv): column v of O^T (acc [D][16]) over its sum, 16 d at a time by gathers.
+inline void write_vectors(const float* acc, __m512 lv, const RowTile& tile, int64_t m0, int64_t nv, int64_t group,
+                          int64_t H, int64_t D, uint16_t* out) {
+  const __m512i dcol = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), lv));
+  for (int64_t v = 0; v < nv; ++v) {
+    const int64_t m = m0 + v;
+    uint16_t* o = out + ((tile.r0 + m / group) * H + tile.kvh * group + m % group) * D;
+    const __m512 iv = _mm512_set1_ps(inv[v]);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      const __m512i idx = _mm512_add_epi32(dcol, _mm512_set1_epi32(static_cast<int32_t>(d0 * 16 + v)));
+      store16(o + d0, _mm512_mul_ps(_mm512_i32gather_ps(idx, acc, 4), iv));
+    }
+  }
+}
+
+// S^T of 16 keys (K rows kd, row stride D) x the 16 vectors of qT into dst [16][16]: one vdpbf16ps chain per key
+// over the d pairs in order, the key's pair broadcast from memory.
+inline void scores16(const uint16_t* kd, const uint32_t* qT, int64_t D, float* dst) {
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kd);
+  __m512 s[16];
+  _Pragma("GCC unroll 16")
+  for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const __m512bh qv = (__m512bh)_mm512_load_si512(qT + p * 16);
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < 16; ++j)
+      s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)_mm512_set1_epi32(static_cast<int>(k32[j * (D / 2) + p])), qv);
+  }
+  _Pragma("GCC unroll 16")
+  for (int j = 0; j < 16; ++j) _mm512_store_ps(dst + j * 16, s[j]);
+}
+
+// O^T rows d0 .. d0 + 15 (acc [D][16]) times alpha where some lane's max grew, then += V^T P^T over the block's 16 key
+// pairs (V^T block vd [D][32 keys], so (key 2 t, 2 t + 1) of one d is one uint32, broadcast from memory).
+inline void pv16(const uint16_t* vd, const uint32_t* pT, int64_t d0, bool scale, __m512 alpha, float* acc) {
+  const uint32_t* v32 = reinterpret_cast<const uint32_t*>(vd);
+  __m512 a[16];
+  _Pragma("GCC unroll 16")
+  for (int i = 0; i < 16; ++i) {
+    a[i] = _mm512_load_ps(acc + (d0 + i) * 16);
+    if (scale) a[i] = _mm512_mul_ps(a[i], alpha);
+  }
+  _Pragma("GCC unroll 16")
+  for (int64_t t = 0; t < kBlock / 2; ++t) {
+    const __m512bh pv = (__m512bh)_mm512_load_si512(pT + t * 16);
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < 16; ++i)
+      a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(v32[(d0 + i) * (kBlock / 2) + t])), pv);
+  }
+  _Pragma("GCC unroll 16")
+  for (int i = 0; i < 16; ++i) _mm512_store_ps(acc + (d0 + i) * 16, a[i]);
+}
+
+void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
+         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+         int64_t BS, int64_t W, float scale) {
+  const int64_t group = H / KVH;
+  const Layout L = lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
+  const int64_t blk = L.blk;
+  const auto items = work_items(qsl, B, KVH);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) uint32_t qT[(256 / 2) * 16];
+    alignas(64) float sT[kBlock * 16];
+    alignas(64) uint32_t pT[16 * 16];
+    alignas(64) float acc[256 * 16];
+    alignas(64) int32_t ctx_l[16];
+    const __m512 scv = _mm512_set1_ps(scale * 1.4426950408889634f);  // scores in log2 units
+    for (int64_t tid = t0; tid < t1; ++tid) {
+      for (int64_t it = tid; it < n_items; it += nt) {
+        const RowTile tile(items[it], qsl, seq_lens, group);
+        const int64_t first = tile.first, M = tile.M;
+        const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
+        const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {  // 16 query vectors at a time
+          const int64_t nv = std::min<int64_t>(16, M - m0);
+          load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l);
+          const __m512i ctx = _mm512_load_si512(ctx_l);
+          const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
+          __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
+          std::memset(acc, 0, D * 16 * sizeof(float));
+          const int64_t nblk = (cmax + kBlock - 1) / kBlock;
+          for (int64_t jb = 0; jb < nblk; ++jb) {
+            const int64_t j0 = jb * kBlock;
+            const uint16_t* kd = kb + jb * blk;
+            scores16(kd, qT, D, sT);
+            scores16(kd + 16 * D, qT, D, sT + 16 * 16);
+            __mmask16 grew;
+            const __m512 alpha = softmax_block(sT, ctx, j0, j0 + kBlock > cmin, scv, mv, lv, pT, grew);
+            const bool rescale = jb > 0 && grew;
+            for (int64_t d0 = 0; d0 < D; d0 += 16) pv16(vb + jb * blk, pT, d0, rescale, alpha, acc);
+          }
+          write_vectors(acc, lv, tile, m0, nv, group, H, D, out);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace rows_bf16
+
+#ifdef PAGEDSERVE_AMX
+// The same row kernel on AMX tiles (Sapphire Rapids and later, where amx_active(); see rows_bf16 above): the scores of
+// a block are two C tiles of TDPBF16PS over the D / 32 chunks of d (qT is one B tile per chunk, K rows two A tiles);
+// P^T is a B tile and O^T += V^T P^T one TDPBF16PS per 16 d. For D = 64 the four O^T tiles stay in tile registers
+// across blocks; when some vector's max grows they are stored, scaled by each vector's alpha (1.0 exactly for the
+// others) and reloaded. Other D keep O^T in memory: acc = acc * alpha + P.V per block.
+namespace rows_amx {
+using rows_bf16::kBlock;
+using rows_bf16::RowTile;
+
+void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
+         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+         int64_t BS, int64_t W, float scale) {
+  const int64_t group = H / KVH;
+  const rows_bf16::Layout L = rows_bf16::lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
+  const int64_t blk = L.blk;
   const auto items = rows_bf16::work_items(qsl, B, KVH);
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
@@ -989,36 +947,22 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     alignas(64) float pv[256 * 16];
     alignas(64) float acc[256 * 16];
     alignas(64) int32_t ctx_l[16];
-    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                              21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i dcol = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
     // Scores in log2 units (scale * log2 e folded in), so that e^(s - m) is exp2_16 of their difference.
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), scv = _mm512_set1_ps(scale * 1.4426950408889634f);
+    const __m512 scv = _mm512_set1_ps(scale * 1.4426950408889634f);
     amx::Tiles tiles;
     tiles.use(16);
     for (int64_t tid = t0; tid < t1; ++tid) {
       for (int64_t it = tid; it < n_items; it += nt) {
         const RowTile tile(items[it], qsl, seq_lens, group);
-        const int64_t b = tile.b, r0 = tile.r0, kvh = tile.kvh, first = tile.first, M = tile.M;
-        const uint16_t* kb = K0 + (base[b] + kvh * nb[b]) * blk;
-        const uint16_t* vb = V0 + (base[b] + kvh * nb[b]) * blk;
+        const int64_t first = tile.first, M = tile.M;
+        const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
+        const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
         for (int64_t m0 = 0; m0 < M; m0 += 16) {  // one tile of 16 query vectors
           const int64_t nv = std::min<int64_t>(16, M - m0);
-          for (int64_t v = 0; v < 16; ++v) {
-            const int64_t m = m0 + v;
-            if (v < nv) {
-              const uint32_t* qr =
-                  reinterpret_cast<const uint32_t*>(q + (r0 + m / group) * qs + (kvh * group + m % group) * D);
-              for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = qr[p];
-              ctx_l[v] = static_cast<int32_t>(first + m / group + 1);
-            } else {  // padding: a vector of zeros that sees key 0 (finite everywhere, never written out)
-              for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = 0;
-              ctx_l[v] = 1;
-            }
-          }
+          rows_bf16::load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l);
           const __m512i ctx = _mm512_load_si512(ctx_l);
           const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
-          __m512 mv = ninf, lv = _mm512_setzero_ps();
+          __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
           if (resident) {
             _tile_zero(0);
             _tile_zero(1);
@@ -1049,38 +993,8 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
             const int64_t j0 = jb * kBlock;
             const uint16_t* vd = vb + jb * blk;
             if (jb + 1 < nblk) scores(jb + 1, sT2[(jb + 1) & 1]);
-            const float* sT = sT2[jb & 1];
-            const bool masked = j0 + kBlock > cmin;  // some vector does not see every key of the block
-            __m512 sj[kBlock];
-            __mmask16 vis[kBlock];
-            __m512 bmax = ninf;
-            _Pragma("GCC unroll 32")
-            for (int64_t j = 0; j < kBlock; ++j) {
-              sj[j] = _mm512_mul_ps(_mm512_load_ps(sT + j * 16), scv);
-              if (masked) {
-                vis[j] = _mm512_cmpgt_epi32_mask(ctx, _mm512_set1_epi32(static_cast<int32_t>(j0 + j)));
-                sj[j] = _mm512_mask_blend_ps(vis[j], ninf, sj[j]);
-              }
-              bmax = _mm512_max_ps(bmax, sj[j]);
-            }
-            const __m512 mnew = _mm512_max_ps(mv, bmax);
-            const __mmask16 grew = _mm512_cmp_ps_mask(mnew, mv, _CMP_NEQ_OQ);
-            // 1.0 exactly where the max did not grow (2^0); the first block's mv is -inf: clamped, 2^-200 = 0
-            const __m512 alpha = exp2_16(_mm512_max_ps(_mm512_sub_ps(mv, mnew), _mm512_set1_ps(-200.f)));
-            __m512 psum = _mm512_setzero_ps();
-            _Pragma("GCC unroll 16")
-            for (int64_t t = 0; t < kBlock / 2; ++t) {
-              // masked keys' -inf scores give NaN here, zeroed just below
-              __m512 p0 = exp2_16(_mm512_sub_ps(sj[2 * t], mnew)), p1 = exp2_16(_mm512_sub_ps(sj[2 * t + 1], mnew));
-              if (masked) {
-                p0 = _mm512_maskz_mov_ps(vis[2 * t], p0);
-                p1 = _mm512_maskz_mov_ps(vis[2 * t + 1], p1);
-              }
-              psum = _mm512_add_ps(psum, _mm512_add_ps(p0, p1));
-              _mm512_store_si512(pT + t * 16, _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
-            }
-            lv = _mm512_fmadd_ps(lv, alpha, psum);
-            mv = mnew;
+            __mmask16 grew;
+            const __m512 alpha = rows_bf16::softmax_block(sT2[jb & 1], ctx, j0, j0 + kBlock > cmin, scv, mv, lv, pT, grew);
             _tile_loadd(7, pT, 64);
             if (resident) {
               if (jb > 0 && grew) {  // rescale O^T: every vector by its alpha
@@ -1123,17 +1037,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
             _tile_stored(2, acc + 512, 64);
             _tile_stored(3, acc + 768, 64);
           }
-          alignas(64) float inv[16];
-          _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), lv));
-          for (int64_t v = 0; v < nv; ++v) {  // vector v's outputs: column v of O^T, 16 d at a time
-            const int64_t m = m0 + v;
-            uint16_t* o = out + ((r0 + m / group) * H + kvh * group + m % group) * D;
-            const __m512 iv = _mm512_set1_ps(inv[v]);
-            for (int64_t d0 = 0; d0 < D; d0 += 16) {
-              const __m512i idx = _mm512_add_epi32(dcol, _mm512_set1_epi32(static_cast<int32_t>(d0 * 16 + v)));
-              store16(o + d0, _mm512_mul_ps(_mm512_i32gather_ps(idx, acc, 4), iv));
-            }
-          }
+          rows_bf16::write_vectors(acc, lv, tile, m0, nv, group, H, D, out);
         }
       }
     }
