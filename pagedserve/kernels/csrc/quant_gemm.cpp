@@ -748,27 +748,6 @@ inline void bf16_tile_any(int64_t R, int P, const uint16_t* x, int64_t xs, const
   }
 }
 
-// The many-rows kernels' work items: a group of kBfPanels panels (64 output columns) and a block of MB rows of x,
-// item it = g * mblocks + (row block); the group's weights widened into a pair buffer once per run of items of
-// the same group (a thread's items are consecutive).
-struct GroupItem {
-  int64_t g, m0, mb, p0;
-  int np;
-  GroupItem(int64_t it, int64_t mblocks, int64_t MB, int64_t M, int64_t panels)
-      : g(it / mblocks), m0((it % mblocks) * MB), mb(std::min(MB, M - m0)), p0(g * kBfPanels),
-        np(static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0))) {}
-};
-
-struct GroupWeights {
-  std::vector<uint16_t> v;
-  uint16_t* buf;
-  int64_t widened = -1;
-  explicit GroupWeights(int64_t K) : buf(align64(v, kBfPanels * K * 16)) {}
-  // The item's group as bf16 pairs [panel][k / 2][16 rows][2] (see widen_panel_bf16, defined below).
-  template <int64_t T>
-  const uint16_t* of(const GroupItem& item, const uint8_t* w, int64_t pstride, int64_t K);
-};
-
 // The few-rows kernel (M <= 4): the same chains with the weights widened and paired in registers (no buffer),
 // R rows x P panels over all of K.
 template <int64_t T, int R, int P>
@@ -900,15 +879,6 @@ inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out) {
       _mm512_storeu_si512(out + (16 + i) * 16, pair_bf16(a0, a1, b0, b1));
     }
   }
-}
-
-template <int64_t T>
-const uint16_t* GroupWeights::of(const GroupItem& item, const uint8_t* w, int64_t pstride, int64_t K) {
-  if (widened != item.g) {
-    for (int j = 0; j < item.np; ++j) widen_panel_bf16<T>(w + (item.p0 + j) * pstride, K, buf + j * K * 16);
-    widened = item.g;
-  }
-  return buf;
 }
 
 template <int64_t T, int R, int P>
@@ -1210,6 +1180,55 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
 #endif
 
 
+// The many-rows vdpbf16ps matmul (M > kGemvRows): work items of (a group of kBfPanels panels = 64 output columns, a
+// block of ~384 KB of rows of x), the group's weights widened into a bf16 pair buffer once per run of items of the
+// same group (a thread's items are consecutive), then kBfRows x kBfPanels register tiles over all of K. With Silu,
+// W is [gate; up] (N = 2 I, I % 16 == 0), a group holds the 4 gate panels and the 4 up panels of the same columns
+// (buffer slots 4-7), and y is [M, I]: silu_and_mul's arithmetic on the bf16-rounded sums (the same bits as the two
+// ops: every sum is the same chain), without writing and re-reading the [M, 2 I] product.
+template <int64_t T, typename OT, bool Silu = false>
+void quant_gemm_bf16_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
+                          int64_t N, int64_t K) {
+  constexpr QuantType t = quant_type(T);
+  const int64_t pstride = 16 * (K / t.block_size) * t.block_bytes;
+  const int64_t panels = Silu ? N / 32 : (N + 15) / 16;  // per side
+  const int64_t up0 = Silu ? N / 32 : 0;                  // the first up panel
+  constexpr int sides = Silu ? 2 : 1;
+  constexpr int64_t as = sides * kBfPanels * 16;
+  const int64_t groups = (panels + kBfPanels - 1) / kBfPanels;
+  // Row blocks of ~384 KB of x (at least one tile), so that each group's widening is shared by many rows.
+  const int64_t MB = std::max<int64_t>(kBfRows, (393216 / (2 * K)) / kBfRows * kBfRows);
+  const int64_t mblocks = (M + MB - 1) / MB;
+  const int64_t I = N / 2;
+  at::parallel_for(0, groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint16_t> bv;
+    uint16_t* buf = align64(bv, sides * kBfPanels * K * 16);
+    int64_t widened = -1;
+    alignas(64) float acc[kBfRows * as];
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t g = it / mblocks, m0 = (it % mblocks) * MB, mb = std::min(MB, M - m0), p0 = g * kBfPanels;
+      const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
+      if (widened != g) {
+        for (int side = 0; side < sides; ++side)
+          for (int j = 0; j < np; ++j)
+            widen_panel_bf16<T>(w + (side * up0 + p0 + j) * pstride, K, buf + (side * kBfPanels + j) * K * 16);
+        widened = g;
+      }
+      for (int64_t r0 = 0; r0 < mb; r0 += kBfRows) {
+        const int64_t R = std::min(kBfRows, mb - r0);
+        const uint16_t* xr = x + (m0 + r0) * xs;
+        for (int side = 0; side < sides; ++side)
+          bf16_tile_any(R, np, xr, xs, buf + side * kBfPanels * K * 16, K, acc + side * kBfPanels * 16, as);
+        if constexpr (Silu) {
+          write_silu(acc, as, R, np, p0, y + (m0 + r0) * I, I, kBfPanels * 16);
+        } else {
+          write_panels(acc, as, R, np, p0, bias, y + (m0 + r0) * N, N);
+        }
+      }
+    }
+  });
+}
+
 template <int64_t T, typename OT>
 void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
                      int64_t K) {
@@ -1231,25 +1250,7 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
     });
     return;
   }
-  const int64_t groups = (panels + kBfPanels - 1) / kBfPanels;
-  // Row blocks of ~384 KB of x (at least one tile), so that each group's widening is shared by many rows.
-  const int64_t MB = std::max<int64_t>(kBfRows, (393216 / (2 * K)) / kBfRows * kBfRows);
-  const int64_t mblocks = (M + MB - 1) / MB;
-  at::parallel_for(0, groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
-    GroupWeights gw(K);
-    alignas(64) float acc[kBfRows * kBfPanels * 16];
-    for (int64_t it = i0; it < i1; ++it) {
-      const GroupItem item(it, mblocks, MB, M, panels);
-      const int64_t m0 = item.m0, mb = item.mb, p0 = item.p0;
-      const int np = item.np;
-      const uint16_t* buf = gw.of<T>(item, w, pstride, K);
-      for (int64_t r0 = 0; r0 < mb; r0 += kBfRows) {
-        const int64_t R = std::min(kBfRows, mb - r0);
-        bf16_tile_any(R, np, x + (m0 + r0) * xs, xs, buf, K, acc, np * 16);
-        write_panels(acc, np * 16, R, np, p0, bias, y + (m0 + r0) * N, N);
-      }
-    }
-  });
+  quant_gemm_bf16_rows<T, OT>(x, xs, w, bias, y, M, N, K);
 }
 
 #endif
@@ -1422,8 +1423,8 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
 }
 
 // SwiGLU over quant_linear_bf16: silu(gate) * up of y = x @ Wb.T, W = [gate; up] (N = 2 I rows, I % 16 == 0, no
-// bias), bf16 out [M, I]: the same bits as silu_and_mul(quant_linear_bf16(x, ..., bf16)). Where the AMX many-rows
-// route runs, fused (the [M, 2 I] product is never written); elsewhere those two ops.
+// bias), bf16 out [M, I]: the same bits as silu_and_mul(quant_linear_bf16(x, ..., bf16)). Where a many-rows kernel
+// runs (AMX or vdpbf16ps), fused (the [M, 2 I] product is never written); for few rows those two ops.
 torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
                                      int64_t K) {
   using namespace quant_detail;
@@ -1431,13 +1432,28 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
   TORCH_CHECK(N > 0 && N % 32 == 0, "quant_linear_bf16_silu: n must be 2 I with I a multiple of 16, got ", N);
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, torch::kBFloat16, "quant_linear_bf16_silu");
   const int64_t M = x.size(0);
+#ifdef PAGEDSERVE_QUANT_BF16
+  // Fused where the many-rows kernel runs (AMX: above kAmxGemvRows rows; vdpbf16ps: above kGemvRows).
+  bool amx = false;
+  int64_t few = kGemvRows;
 #ifdef PAGEDSERVE_QUANT_AMX
-  if (M > kAmxGemvRows && amx_active()) {
+  if (amx_active()) {
+    amx = true;
+    few = kAmxGemvRows;
+  }
+#endif
+  if (M > few) {
     auto y = torch::empty({M, N / 2}, x.options());
     const uint16_t* xp = ptr<uint16_t>(x);
     const uint8_t* wp = p.data_ptr<uint8_t>();
     dispatch_type(type, [&]<int64_t T>() {
-      quant_gemm_amx_rows<T, uint16_t, true>(xp, x.stride(0), wp, nullptr, ptr<uint16_t>(y), M, N, K);
+#ifdef PAGEDSERVE_QUANT_AMX
+      if (amx) {
+        quant_gemm_amx_rows<T, uint16_t, true>(xp, x.stride(0), wp, nullptr, ptr<uint16_t>(y), M, N, K);
+        return;
+      }
+#endif
+      quant_gemm_bf16_rows<T, uint16_t, true>(xp, x.stride(0), wp, nullptr, ptr<uint16_t>(y), M, N, K);
     });
     return y;
   }
