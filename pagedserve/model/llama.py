@@ -31,7 +31,8 @@ from pagedserve.model.matmul import GEMV_MAX_ROWS, MatmulRoutes, QuantPart, Quan
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 # Decode steps of up to this many sequences run all layers in one C++ call (kernels/csrc/decode_stack.cpp):
-# every matmul of such a step is on its few-rows route.
+# every matmul of such a step is on its few-rows route. Steps of more sequences do too where every layer matmul
+# has one route for all row counts (MatmulRoutes.one_route: GGUF blocks read in place, the strict mode).
 DECODE_STACK_MAX_SEQS = GEMV_MAX_ROWS
 
 
@@ -171,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head_routes.float32_out = True
         self.embed_quant: QuantPart | None = None  # the embedding as GGUF blocks read in place (then meta)
         self._stackable = True  # every layer matmul can run in DecodeStack (setup_matmuls decides)
+        self._stack_any_rows = False  # ... and for any number of sequences (every matmul on one route)
         self._windowed = cfg.has_sliding_window  # some layer attends through a window (read every step)
         self.embed_fixed: torch.Tensor | None = None  # the tied head's packed copy, when the plain one is released
         self._block_kernels: CpuKernels | None = None  # the kernels that packed the GGUF blocks read in place
@@ -279,7 +281,8 @@ class LlamaForCausalLM(nn.Module):
             and cfg.plain_decoder
             and not windows_apply  # the C++ decode kernels have no window
             and self._stackable
-            and 0 < meta.num_seqs <= DECODE_STACK_MAX_SEQS
+            and 0 < meta.num_seqs
+            and (meta.num_seqs <= DECODE_STACK_MAX_SEQS or self._stack_any_rows)
             and backend.runs_decode_kernel(meta)
         )
 
@@ -349,6 +352,7 @@ class LlamaForCausalLM(nn.Module):
             routes.setup(weight, kernels, pack=pack, batch_hint=batch_hint, qweight=qweight, float32_out=head,
                          batch_invariant=batch_invariant)
         self._stackable = all(r.stackable for r, _, _, head in matmuls if not head)
+        self._stack_any_rows = self._stackable and all(r.one_route for r, _, _, head in matmuls if not head)
         self._stack = None
         if release_plain:
             self._release_plain_weights()

@@ -315,6 +315,13 @@ class MatmulRoutes:
         """DecodeStack can run this matmul (one kernel call: not a quantized weight of several parts)."""
         return self.quant is None or len(self.quant) == 1
 
+    @property
+    def one_route(self) -> bool:
+        """This matmul runs one C++ route at every row count (the GGUF blocks' or the fixed-order route), so
+        DecodeStack computes what the layer-by-layer path does for any number of rows, not only a few."""
+        return (self.stackable and self.few_rows == self.many_rows
+                and self.few_rows in (Route.QUANT, Route.QUANT_BF16, Route.FIXED))
+
     def decode_spec(self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None):
         """This matmul's few-rows route as DecodeStack's MatmulSpec (PACKED runs as LINEAR there: the
         packed matmul gives F.linear's numbers)."""

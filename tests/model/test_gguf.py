@@ -301,3 +301,36 @@ def test_unsupported_type_in_model_raises(tmp_path, uncached_gguf):
                                     "llama.vocab_size": 256})
     with pytest.raises(ValueError, match="IQ4_NL"):
         loader.load_model(str(path), "float32")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_stack_takes_many_sequences_over_gguf_blocks(tmp_path, uncached_gguf, dtype):
+    """Every layer matmul of a GGUF model read in place runs one route at every row count (the blocks' kernels;
+    bf16 on AVX512-BF16 CPUs), so decode steps of more sequences than GEMV_MAX_ROWS run in DecodeStack as well,
+    with the bits of the layer-by-layer path (its fused SwiGLU included)."""
+    from test_model_vs_hf import PagedSequences
+
+    from pagedserve.kernels import CpuKernels
+    from pagedserve.model.matmul import GEMV_MAX_ROWS
+
+    hf = _tiny_hf(tie=False, hidden=128)
+    path = tmp_path / "q.gguf"
+    _tiny_gguf(path, hf, {"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1",
+                          "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0",
+                          "output.weight": "Q8_0"})
+    kernels = CpuKernels.build()
+    lm = loader.load_model(str(path), dtype, kernels=kernels)
+    lm.model.setup_matmuls(kernels, pack=False, batch_hint=8)
+    assert lm.model._stack_any_rows
+    n = GEMV_MAX_ROWS + 3
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(2, 20))] for _ in range(n)]
+    runs = []
+    for use_stack in (True, False):
+        run = PagedSequences(lm, "fused", n, dtype=dtype, seed=6, kernels=kernels.replace(decode_stack=use_stack))
+        steps = [run.step(prompts)]
+        for _ in range(5):
+            steps.append(run.step([[t] for t in steps[-1].argmax(-1).tolist()]))
+        runs.append(torch.stack(steps))
+        assert (lm.model._stack is not None) == use_stack
+    assert torch.equal(runs[0], runs[1])

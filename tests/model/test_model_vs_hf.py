@@ -436,16 +436,20 @@ def test_strict_mode_decode_stack_and_layer_path_are_bit_identical(dtype, tmp_pa
     lm = load_model(str(tmp_path), dtype)
     kernels = CpuKernels.build()
     lm.model.setup_matmuls(kernels, pack=True, batch_hint=8, batch_invariant=True)
-    prompts = _prompts((6, 13, 2), seed=14)
+    prompts = _prompts((6, 13, 2, 9, 4, 7), seed=14)
     runs = []
-    for use_stack, n in ((True, 3), (False, 3), (True, 1)):
+    # Three sequences (a few-rows step) and six (past GEMV_MAX_ROWS: the stack runs them too, every matmul being
+    # on the fixed-order route at every row count).
+    for use_stack, n in ((True, 3), (False, 3), (True, 1), (True, 6), (False, 6)):
         run = PagedSequences(lm, "strict", n, dtype=dtype, seed=15, kernels=kernels.replace(decode_stack=use_stack))
         steps = [run.step(prompts[:n])]
         for _ in range(5):
             steps.append(run.step([[t] for t in steps[-1].argmax(-1).tolist()]))
         runs.append(torch.stack(steps))
         assert (lm.model._stack is not None) == use_stack
-    stacked, layered, alone = runs
+    stacked, layered, alone, stacked6, layered6 = runs
     assert stacked.dtype == torch.float32
     assert torch.equal(stacked, layered)
     assert torch.equal(stacked[:, :1], alone)
+    assert torch.equal(stacked6, layered6)
+    assert torch.equal(stacked6[:, :3], stacked)

@@ -1,7 +1,9 @@
-// Every decoder layer of one decode step in a single call, for a few sequences (single-stream latency).
+// Every decoder layer of one decode step in a single call: for a few sequences (single-stream latency), and for
+// any number of them where every matmul runs one route at every row count (the GGUF blocks' and the fixed-order
+// routes: llama.py decides).
 //
 // With one to four new tokens, a step is ~10 small kernels per layer; from Python each costs more in
-// interpreter and dispatch overhead than in work. DecodeStack holds the layers' weights and caches once
+// interpreter and dispatch overhead than in work (with many sequences the Python per layer is a few percent). DecodeStack holds the layers' weights and caches once
 // and runs the same kernels, in the same order, as the model's fused Python path (so the two agree):
 //   norm (fused with the previous residual add) -> qkv matmul -> rotary + K/V write -> paged decode
 //   attention -> o matmul -> residual add + norm -> gate_up matmul -> SwiGLU -> down matmul.
@@ -46,6 +48,15 @@ struct MatmulSpec {
       case kQuantBf16: return quant_linear_bf16(x, q, qtype, out_features(), x.size(1), bias, x.scalar_type());
       default: return at::linear(x, weight, bias);
     }
+  }
+
+  // silu(gate) * up of this [gate; up] matmul: in one call on the bf16 quantized route (quant_linear_bf16_silu, the
+  // same bits as the two ops, as the model's MLP takes it), else the matmul then silu_and_mul.
+  torch::Tensor silu(const torch::Tensor& x) const {
+    const int64_t n = out_features();
+    if (route == kQuantBf16 && !bias && x.scalar_type() == torch::kBFloat16 && n % 32 == 0)
+      return quant_linear_bf16_silu(x, q, qtype, n, x.size(1));
+    return silu_and_mul((*this)(x));
   }
 };
 
@@ -105,7 +116,7 @@ class DecodeStack {
       }
       h = l.o(attn.view({B, q_size}));
       fused_add_rms_norm(h, residual, l.ln2, eps_);
-      h = l.down(silu_and_mul(l.gate_up(h)));
+      h = l.down(l.gate_up.silu(h));
     }
     return h + residual;
   }
