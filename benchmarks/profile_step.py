@@ -79,7 +79,7 @@ def profile_decode(engine: LLMEngine, batch: int, input_len: int, out) -> None:
     kernels = runner.kernels
     step_s = time_steps(engine, 10)
     note = ""
-    if batch <= 4 and kernels is not None:
+    if kernels is not None and kernels.decode_stack:  # the step ran in DecodeStack: profile it layer by layer
         runner.set_kernels(kernels.replace(decode_stack=False))
         time_steps(engine, 2)
         layered_s = time_steps(engine, 10)

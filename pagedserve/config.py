@@ -89,7 +89,8 @@ class EngineConfig:
         "gguf_in_place", "matmuls and the embedding read a GGUF's quantized blocks in place (Q4_0/1, Q5_0/1, "
         "Q8_0, Q4_K, Q5_K, Q6_K; needs the C++ kernels); off: dequantize at load into the model's dtype")
     decode_stack: bool = _env_knob(
-        "decode_stack", "decode steps of up to 4 sequences run every layer in one C++ call")
+        "decode_stack", "decode steps of up to 4 sequences (of any number where every matmul runs one route at "
+        "every row count: GGUF blocks read in place, the strict mode) run every layer in one C++ call")
     amx: bool = _env_knob(
         "amx", "bf16 matmuls over GGUF blocks and the bf16 prefill attention on AMX tiles (CPUs with AMX; the "
         "whole process); off: AVX512-BF16 pair dot products")

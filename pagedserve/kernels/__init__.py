@@ -33,7 +33,7 @@ class CpuKernels:
     bf16_gemv: bool  # gemv_bf16 for 1-4 rows of bf16 (built with AVX512-BF16, and enabled)
     gguf_gemv: bool  # gemv_gguf / gemv_gguf_r16 over Q4_0/Q4_1/Q8_0 blocks (AVX-512, and enabled)
     gguf_block_types: frozenset[int]  # ggml type ids the GGUF GEMVs read (empty when gguf_gemv is off)
-    decode_stack: bool  # DecodeStack: every layer of a few-sequence decode step in one call
+    decode_stack: bool  # DecodeStack: every layer of a decode step in one call (few sequences, or any on one route)
     # Every matmul on the fixed-order C++ matmul (batch-invariant by construction). Default: on CPUs
     # without AVX-512, where it is also faster than the library GEMMs (benchmarks/README.md).
     fixed_matmuls: bool = False

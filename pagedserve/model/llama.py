@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU, DecodeStack), handed over by the model
         # runner through set_kernels; None: plain PyTorch.
         self.kernels: CpuKernels | None = None
-        self._stack = None  # (kv_caches, C++ DecodeStack, strict attention) for few-sequence decode steps
+        self._stack = None  # (kv_caches, C++ DecodeStack, strict attention) for the decode steps it takes
         self.max_positions = max_positions or cfg.max_position_embeddings
         # Tensor parallelism (executor/tensor_parallel.py): this rank's rows of the vocabulary, from
         # vocab_start; None: the whole model here.
