@@ -352,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
             routes.setup(weight, kernels, pack=pack, batch_hint=batch_hint, qweight=qweight, float32_out=head,
                          batch_invariant=batch_invariant)
         self._stackable = all(r.stackable for r, _, _, head in matmuls if not head)
-        self._stack_any_rows = self._stackable and all(r.one_route for r, _, _, head in matmuls if not head)
+        self._stack_any_rows = all(r.one_route for r, _, _, head in matmuls if not head)  # one_route: stackable too
         self._stack = None
         if release_plain:
             self._release_plain_weights()

@@ -3,8 +3,9 @@
 // routes: llama.py decides).
 //
 // With one to four new tokens, a step is ~10 small kernels per layer; from Python each costs more in
-// interpreter and dispatch overhead than in work (with many sequences the Python per layer is a few percent). DecodeStack holds the layers' weights and caches once
-// and runs the same kernels, in the same order, as the model's fused Python path (so the two agree):
+// interpreter and dispatch overhead than in work (with many sequences, a few percent of the step). DecodeStack
+// holds the layers' weights and caches once and runs the same kernels, in the same order, as the model's fused
+// Python path (so the two agree):
 //   norm (fused with the previous residual add) -> qkv matmul -> rotary + K/V write -> paged decode
 //   attention -> o matmul -> residual add + norm -> gate_up matmul -> SwiGLU -> down matmul.
 // Each matmul runs the route Python chose for it at load (pagedserve/model/matmul.py); nothing is

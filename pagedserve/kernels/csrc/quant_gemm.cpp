@@ -938,6 +938,48 @@ inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8
   }
 }
 
+// The panel groups of a many-rows bf16 matmul (both routes' drivers): groups of kBfPanels panels (64 output columns),
+// each widened into a bf16 pair buffer, one slot of K * 16 per panel. With Silu, W is [gate; up] (N = 2 I, I % 16 ==
+// 0) and y is [M, I]: a group holds the gate panels and the up panels of the same columns (up in slots kBfPanels..),
+// and its sums are written as silu(gate) * up, each rounded to bf16 where silu_and_mul over the bf16 matmul rounds
+// it (the same bits as the two ops, without writing and re-reading the [M, 2 I] product). A work item's sums are
+// `as` floats per row: slot s's 16 columns at 16 s.
+template <int64_t T, typename OT, bool Silu>
+struct PanelGroups {
+  static constexpr int sides = Silu ? 2 : 1;
+  static constexpr int64_t slots = sides * kBfPanels, as = slots * 16;
+  const uint8_t* w;
+  const float* bias;
+  OT* y;
+  int64_t N, K, pstride, panels, up0, groups;
+
+  PanelGroups(const uint8_t* w_, const float* bias_, OT* y_, int64_t N_, int64_t K_)
+      : w(w_), bias(bias_), y(y_), N(N_), K(K_),
+        pstride(16 * (K_ / quant_type(T).block_size) * quant_type(T).block_bytes),
+        panels(Silu ? N_ / 32 : (N_ + 15) / 16),  // per side
+        up0(Silu ? N_ / 32 : 0),                  // the first up panel
+        groups((panels + kBfPanels - 1) / kBfPanels) {}
+
+  // Panels of the group starting at panel p0 (per side).
+  int np(int64_t p0) const { return static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0)); }
+  // Slot s of group g widened into dst (nothing past the last panel).
+  void widen_slot(int64_t g, int64_t s, uint16_t* dst) const {
+    const int64_t p = g * kBfPanels + s % kBfPanels;
+    if (p < panels) widen_panel_bf16<T>(w + (s < kBfPanels ? p : up0 + p) * pstride, K, dst);
+  }
+  void widen(int64_t g, uint16_t* buf) const {
+    for (int64_t s = 0; s < slots; ++s) widen_slot(g, s, buf + s * K * 16);
+  }
+  // The sums of `rows` rows from row r (acc, row stride as) of the group starting at panel p0.
+  void write(const float* acc, int64_t rows, int64_t r, int64_t p0) const {
+    if constexpr (Silu) {
+      write_silu(acc, as, rows, np(p0), p0, y + r * (N / 2), N / 2, kBfPanels * 16);
+    } else {
+      write_panels(acc, as, rows, np(p0), p0, bias, y + r * N, N);
+    }
+  }
+};
+
 // ---- the same weights on AMX tiles (Sapphire Rapids and later): quant_linear_bf16 where AMX is ---------------
 //
 // The pair buffer above is AMX's B tile layout as it is: rows = k pairs, 16 columns of (k, k+1) bf16 pairs. So
@@ -1034,49 +1076,24 @@ constexpr int64_t kAmxKBlockBytes = 36864;  // a k block's B (panel pair) and A 
 constexpr int64_t kAmxWideBytes = 4 << 20;  // the many-rows route's shared widened weights at a time
 constexpr int64_t kAmxXBytes = 1 << 20;     // up to here x stays in L2: groups split, widened per thread
 
-// The many-rows AMX matmul (M > kAmxGemvRows). With Silu, W is [gate; up] (N = 2 I, I % 16 == 0) and y is [M, I]:
-// silu(gate) * up per element, each value rounded to bf16 where silu_and_mul over the bf16 matmul rounds it (the
-// same bits as the two ops, without writing and re-reading the [M, 2 I] product).
+// The many-rows AMX matmul (M > kAmxGemvRows); with Silu, the fused SwiGLU (see PanelGroups).
 template <int64_t T, typename OT, bool Silu = false>
 void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
                          int64_t N, int64_t K) {
-  constexpr QuantType t = quant_type(T);
-  const int64_t pstride = 16 * (K / t.block_size) * t.block_bytes;
-  // Work items of (a block of rows, a group of 4 panels = 64 output columns; with Silu, 4 gate panels and the 4 up
-  // panels of the same columns) over the group's weights widened into a bf16 pair buffer, one slot per panel (with
-  // Silu, up in slots 4-7). Pairs of full row tiles run K-blocked: per k block, a panel pair's B (kc x 32 bf16)
-  // stays in L1 while the row pairs' A tiles stream past it (unblocked, B and A of a 32 x 32 block over K = 576
-  // are 72 KB together, past L1, and both came from L2 at every step). C goes to acc between k blocks.
-  const int64_t panels = Silu ? N / 32 : (N + 15) / 16;  // per side
-  const int64_t up0 = Silu ? N / 32 : 0;                  // the first up panel
-  constexpr int sides = Silu ? 2 : 1;
-  constexpr int64_t as = sides * kBfPanels * 16;
-  const int64_t groups = (panels + kBfPanels - 1) / kBfPanels;
-  const int64_t gsize = sides * kBfPanels * K * 16;  // bf16 per group
+  // Work items of (a block of rows, a panel group: PanelGroups) over the group's widened weights. Pairs of full row
+  // tiles run K-blocked: per k block, a panel pair's B (kc x 32 bf16) stays in L1 while the row pairs' A tiles
+  // stream past it (unblocked, B and A of a 32 x 32 block over K = 576 are 72 KB together, past L1, and both came
+  // from L2 at every step). C goes to acc between k blocks.
+  using PG = PanelGroups<T, OT, Silu>;
+  const PG pg(w, bias, y, N, K);
+  constexpr int sides = PG::sides;
+  constexpr int64_t as = PG::as, slots = PG::slots;
+  const int64_t groups = pg.groups;
+  const int64_t gsize = slots * K * 16;  // bf16 per group
   const int64_t nkb = std::max<int64_t>(1, (K * 128 + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
   const int64_t kc = ((K + nkb - 1) / nkb + 31) / 32 * 32;
-  const int64_t I = N / 2;
-  // Slot s of group g: its panel index in w, or -1 past the last panel.
-  auto slot_panel = [&](int64_t g, int64_t s) -> int64_t {
-    const int64_t j = s % kBfPanels, p = g * kBfPanels + j;
-    if (p >= panels) return -1;
-    return s < kBfPanels ? p : up0 + p;
-  };
-  auto widen_group = [&](int64_t g, uint16_t* buf) {
-    for (int64_t s = 0; s < sides * kBfPanels; ++s) {
-      const int64_t p = slot_panel(g, s);
-      if (p >= 0) widen_panel_bf16<T>(w + p * pstride, K, buf + s * K * 16);
-    }
-  };
-  auto write = [&](const float* acc, int64_t rows, int64_t r, int64_t p0, int np) {
-    if constexpr (Silu) {
-      write_silu(acc, as, rows, np, p0, y + r * I, I, kBfPanels * 16);
-    } else {
-      write_panels(acc, as, rows, np, p0, bias, y + r * N, N);
-    }
-  };
   auto item = [&](const uint16_t* buf, int64_t m0, int64_t mb, int64_t p0, float* acc, amx::Tiles& tiles) {
-    const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
+    const int np = pg.np(p0);
     const int64_t full = mb / 32 * 32;
     if (full) {
       tiles.use(16);
@@ -1096,7 +1113,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
           }
         }
       }
-      write(acc, full, m0, p0, np);
+      pg.write(acc, full, m0, p0);
     }
     for (int64_t r0 = full; r0 < mb;) {  // one full row tile, or the last rows (below 16) alone
       const int rows = static_cast<int>(std::min<int64_t>(16, mb - r0));
@@ -1107,7 +1124,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
           amx_block_any(1, PT, x + (m0 + r0) * xs, xs, rows, buf + j * K * 16, K, acc + j * 16, as);
         }
       }
-      write(acc, rows, m0 + r0, p0, np);
+      pg.write(acc, rows, m0 + r0, p0);
       r0 += rows;
     }
   };
@@ -1119,7 +1136,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
       uint16_t* buf = align64(bv, gsize);
       amx::Tiles tiles;
       for (int64_t g = g0; g < g1; ++g) {
-        widen_group(g, buf);
+        pg.widen(g, buf);
         item(buf, 0, M, g * kBfPanels, scratch.p, tiles);
       }
     });
@@ -1137,14 +1154,10 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   const int64_t MB = ((M + mblocks - 1) / mblocks + 31) / 32 * 32;
   thread_local std::vector<uint16_t> wide_v;  // kept across calls (resizing down keeps its memory)
   uint16_t* const wide = align64(wide_v, G * gsize);
-  constexpr int64_t slots = sides * kBfPanels;
   for (int64_t g0 = 0; g0 < groups; g0 += G) {
     const int64_t gn = std::min(G, groups - g0);
     at::parallel_for(0, gn * slots, 1, [&](int64_t q0, int64_t q1) {
-      for (int64_t q = q0; q < q1; ++q) {
-        const int64_t p = slot_panel(g0 + q / slots, q % slots);
-        if (p >= 0) widen_panel_bf16<T>(w + p * pstride, K, wide + q * K * 16);
-      }
+      for (int64_t q = q0; q < q1; ++q) pg.widen_slot(g0 + q / slots, q % slots, wide + q * K * 16);
     });
     at::parallel_for(0, mblocks * gn, 1, [&](int64_t i0, int64_t i1) {
       Scratch scratch(MB * as);
@@ -1180,50 +1193,34 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
 #endif
 
 
-// The many-rows vdpbf16ps matmul (M > kGemvRows): work items of (a group of kBfPanels panels = 64 output columns, a
-// block of ~384 KB of rows of x), the group's weights widened into a bf16 pair buffer once per run of items of the
-// same group (a thread's items are consecutive), then kBfRows x kBfPanels register tiles over all of K. With Silu,
-// W is [gate; up] (N = 2 I, I % 16 == 0), a group holds the 4 gate panels and the 4 up panels of the same columns
-// (buffer slots 4-7), and y is [M, I]: silu_and_mul's arithmetic on the bf16-rounded sums (the same bits as the two
-// ops: every sum is the same chain), without writing and re-reading the [M, 2 I] product.
+// The many-rows vdpbf16ps matmul (M > kGemvRows); with Silu, the fused SwiGLU (see PanelGroups). Work items of (a
+// panel group, a block of ~384 KB of rows of x), the group's weights widened once per run of items of the same group
+// (a thread's items are consecutive), then kBfRows x kBfPanels register tiles over all of K.
 template <int64_t T, typename OT, bool Silu = false>
 void quant_gemm_bf16_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
                           int64_t N, int64_t K) {
-  constexpr QuantType t = quant_type(T);
-  const int64_t pstride = 16 * (K / t.block_size) * t.block_bytes;
-  const int64_t panels = Silu ? N / 32 : (N + 15) / 16;  // per side
-  const int64_t up0 = Silu ? N / 32 : 0;                  // the first up panel
-  constexpr int sides = Silu ? 2 : 1;
-  constexpr int64_t as = sides * kBfPanels * 16;
-  const int64_t groups = (panels + kBfPanels - 1) / kBfPanels;
+  using PG = PanelGroups<T, OT, Silu>;
+  const PG pg(w, bias, y, N, K);
   // Row blocks of ~384 KB of x (at least one tile), so that each group's widening is shared by many rows.
   const int64_t MB = std::max<int64_t>(kBfRows, (393216 / (2 * K)) / kBfRows * kBfRows);
   const int64_t mblocks = (M + MB - 1) / MB;
-  const int64_t I = N / 2;
-  at::parallel_for(0, groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, pg.groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<uint16_t> bv;
-    uint16_t* buf = align64(bv, sides * kBfPanels * K * 16);
+    uint16_t* buf = align64(bv, PG::slots * K * 16);
     int64_t widened = -1;
-    alignas(64) float acc[kBfRows * as];
+    alignas(64) float acc[kBfRows * PG::as];
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t g = it / mblocks, m0 = (it % mblocks) * MB, mb = std::min(MB, M - m0), p0 = g * kBfPanels;
-      const int np = static_cast<int>(std::min<int64_t>(kBfPanels, panels - p0));
       if (widened != g) {
-        for (int side = 0; side < sides; ++side)
-          for (int j = 0; j < np; ++j)
-            widen_panel_bf16<T>(w + (side * up0 + p0 + j) * pstride, K, buf + (side * kBfPanels + j) * K * 16);
+        pg.widen(g, buf);
         widened = g;
       }
       for (int64_t r0 = 0; r0 < mb; r0 += kBfRows) {
         const int64_t R = std::min(kBfRows, mb - r0);
-        const uint16_t* xr = x + (m0 + r0) * xs;
-        for (int side = 0; side < sides; ++side)
-          bf16_tile_any(R, np, xr, xs, buf + side * kBfPanels * K * 16, K, acc + side * kBfPanels * 16, as);
-        if constexpr (Silu) {
-          write_silu(acc, as, R, np, p0, y + (m0 + r0) * I, I, kBfPanels * 16);
-        } else {
-          write_panels(acc, as, R, np, p0, bias, y + (m0 + r0) * N, N);
-        }
+        for (int side = 0; side < PG::sides; ++side)
+          bf16_tile_any(R, pg.np(p0), x + (m0 + r0) * xs, xs, buf + side * kBfPanels * K * 16, K,
+                        acc + side * kBfPanels * 16, PG::as);
+        pg.write(acc, R, m0 + r0, p0);
       }
     }
   });
