@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -684,14 +685,27 @@ namespace rows_bf16 {
 constexpr int64_t kTile = 16;   // query rows per work item
 constexpr int64_t kBlock = 32;  // keys per softmax block
 
-// Work items: (sequence, tile of kTile query rows, kv head), dealt round-robin to the threads (causal rows
-// late in a prompt cost more than early ones).
-inline std::vector<std::tuple<int64_t, int64_t, int64_t>> work_items(const int64_t* qsl, int64_t B, int64_t KVH) {
+// Work items: (sequence, tile of kTile query rows, kv head), the ones with the longest context (the most key blocks)
+// first; the threads take them in that order from a shared counter, so that a thread slowed down (or a prompt's
+// late rows, which cost more than its early ones) does not leave the other waiting at the end. An item's result does
+// not depend on which thread runs it.
+inline std::vector<std::tuple<int64_t, int64_t, int64_t>> work_items(const int64_t* qsl, const int64_t* seq_lens,
+                                                                     int64_t B, int64_t KVH) {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> items;
+  std::vector<int64_t> end;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = qsl[b]; r < qsl[b + 1]; r += kTile)
-      for (int64_t kvh = 0; kvh < KVH; ++kvh) items.emplace_back(b, r, kvh);
-  return items;
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+        items.emplace_back(b, r, kvh);
+        end.push_back(seq_lens[b] - (qsl[b + 1] - r) + std::min(kTile, qsl[b + 1] - r));  // context of its last row
+      }
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return end[a] > end[b]; });
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> sorted;
+  sorted.reserve(items.size());
+  for (int64_t i : order) sorted.push_back(items[i]);
+  return sorted;
 }
 
 // One work item: sequence b's query rows r0 .. r0 + R - 1 for kv head kvh, M = R * group query vectors; row i of
@@ -704,11 +718,42 @@ struct RowTile {
         M(R * group) {}
 };
 
+// A 16 x 16 matrix of 32-bit elements, one row per register, transposed in place (r[i] lane j <-> r[j] lane i):
+// four butterfly stages (h = 8, 4, 2, 1), each exchanging the off-diagonal h x h sub-blocks of every 2h x 2h block:
+// rows i and i + h (i & h clear) become new_a[j] = (j & h) ? b[j - h] : a[j], new_b[j] = (j & h) ? b[j] : a[j + h].
+struct TransposeIdx {
+  alignas(64) int32_t a[4][16], b[4][16];
+  constexpr TransposeIdx() : a{}, b{} {
+    for (int s = 0; s < 4; ++s) {
+      const int h = 8 >> s;
+      for (int j = 0; j < 16; ++j) {
+        a[s][j] = (j & h) ? 16 + j - h : j;  // lanes 16.. of permutex2var are b's
+        b[s][j] = (j & h) ? 16 + j : j + h;
+      }
+    }
+  }
+};
+inline constexpr TransposeIdx kTransposeIdx{};
+
+inline void transpose16(__m512i r[16]) {
+  _Pragma("GCC unroll 16")
+  for (int s = 0; s < 4; ++s) {
+    const int h = 8 >> s;
+    const __m512i ia = _mm512_load_si512(kTransposeIdx.a[s]), ib = _mm512_load_si512(kTransposeIdx.b[s]);
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < 16; ++i) {
+      if (i & h) continue;
+      const __m512i x = r[i], y = r[i + h];
+      r[i] = _mm512_permutex2var_epi32(x, ia, y);
+      r[i + h] = _mm512_permutex2var_epi32(x, ib, y);
+    }
+  }
+}
+
 // Every (sequence, kv head)'s K as rows [block][32 keys][D] and V^T [block][D][32 keys] (see above).
 struct Layout {
   std::vector<int64_t> nb, base;
-  std::vector<uint16_t> kr, vt;
-  uint16_t *K0, *V0;
+  uint16_t *K0, *V0;  // in the calling thread's buffers (below), valid until its next lay_out
   int64_t blk;  // uint16 per block of K (and of V)
   const uint16_t* k_blocks(int64_t b, int64_t kvh) const { return K0 + (base[b] + kvh * nb[b]) * blk; }
   const uint16_t* v_blocks(int64_t b, int64_t kvh) const { return V0 + (base[b] + kvh * nb[b]) * blk; }
@@ -728,12 +773,17 @@ inline Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* blo
   const std::vector<int64_t>& nb = L.nb;
   const std::vector<int64_t>& base = L.base;
   const int64_t blk = L.blk;
-  L.K0 = align64(L.kr, base[B] * blk);
-  L.V0 = align64(L.vt, base[B] * blk);
+  // Reused from call to call (every element below is written before it is read): no allocation, no zeroing.
+  thread_local std::vector<uint16_t> kr, vt;
+  const size_t n = static_cast<size_t>(base[B] * blk) + 32;
+  if (kr.size() < n) kr.resize(n);
+  if (vt.size() < n) vt.resize(n);
+  L.K0 = align64_in(kr);
+  L.V0 = align64_in(vt);
   uint16_t* K0 = L.K0;
   uint16_t* V0 = L.V0;
-  auto cache_row = [&](const uint16_t* cache, int64_t b, int64_t j, int64_t kvh) {
-    return cache + block_tables[b * W + j / BS] * block_stride + (j % BS) * row + kvh * D;
+  auto cache_row = [&](int64_t b, int64_t j, int64_t kvh) {  // offset of key j's row (kv head kvh) in a cache
+    return block_tables[b * W + j / BS] * block_stride + (j % BS) * row + kvh * D;
   };
   at::parallel_for(0, base[B], 4, [&](int64_t i0, int64_t i1) {  // one 32-key block at a time
     for (int64_t i = i0; i < i1; ++i) {
@@ -741,16 +791,37 @@ inline Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* blo
       const int64_t x = i - base[b], kvh = x / nb[b], j0 = (x % nb[b]) * kBlock, S = seq_lens[b];
       uint16_t* kd = K0 + i * blk;
       uint16_t* vd = V0 + i * blk;
+      // The block's 32 cache rows (this kv head's part; null past the sequence's last key).
+      const uint16_t* krow[kBlock];
+      const uint16_t* vrow[kBlock];
       for (int64_t t = 0; t < kBlock; ++t) {
         const int64_t j = j0 + t;
-        if (j < S) {
-          std::memcpy(kd + t * D, cache_row(kc, b, j, kvh), D * 2);
-          const uint16_t* v = cache_row(vc, b, j, kvh);
-          for (int64_t d = 0; d < D; ++d) vd[d * kBlock + t] = v[d];
-        } else {
-          std::memset(kd + t * D, 0, D * 2);
-          for (int64_t d = 0; d < D; ++d) vd[d * kBlock + t] = 0;
+        const int64_t off = j < S ? cache_row(b, j, kvh) : -1;
+        krow[t] = off >= 0 ? kc + off : nullptr;
+        vrow[t] = off >= 0 ? vc + off : nullptr;
+      }
+      for (int64_t t = 0; t < kBlock; ++t) {  // K rows as they are (D % 32 == 0: 64-byte pieces)
+        for (int64_t d = 0; d < D; d += 32)
+          _mm512_storeu_si512(kd + t * D + d, krow[t] ? _mm512_loadu_si512(krow[t] + d) : _mm512_setzero_si512());
+      }
+      // V^T, 16 d at a time: keys (2 u, 2 u + 1) interleaved into (d) pairs, the 16 x 16 matrix of pairs [u][d]
+      // transposed to [d][u] = one 32-key row of V^T per register.
+      const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                               6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        const int64_t c = d0 & ~int64_t{31};
+        __m512i r[16];
+        _Pragma("GCC unroll 16")
+        for (int u = 0; u < 16; ++u) {
+          const uint16_t *v0 = vrow[2 * u], *v1 = vrow[2 * u + 1];
+          const __m512i x = v0 ? _mm512_loadu_si512(v0 + c) : _mm512_setzero_si512();
+          const __m512i y = v1 ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+          r[u] = _mm512_permutex2var_epi16(x, d0 % 32 == 0 ? pair_lo : pair_hi, y);
         }
+        transpose16(r);
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(vd + (d0 + i) * kBlock, r[i]);
       }
     }
   });
@@ -761,17 +832,26 @@ inline Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* blo
 // in ctx_l. Padding lanes: a vector of zeros that sees key 0 (finite everywhere, never written out).
 inline void load_vectors(const uint16_t* q, int64_t qs, const RowTile& tile, int64_t m0, int64_t nv, int64_t group,
                          int64_t D, uint32_t* qT, int32_t* ctx_l) {
+  const uint16_t* qv[16];
   for (int64_t v = 0; v < 16; ++v) {
     const int64_t m = m0 + v;
-    if (v < nv) {
-      const uint32_t* qr =
-          reinterpret_cast<const uint32_t*>(q + (tile.r0 + m / group) * qs + (tile.kvh * group + m % group) * D);
-      for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = qr[p];
-      ctx_l[v] = static_cast<int32_t>(tile.first + m / group + 1);
-    } else {
-      for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = 0;
-      ctx_l[v] = 1;
+    qv[v] = v < nv ? q + (tile.r0 + m / group) * qs + (tile.kvh * group + m % group) * D : nullptr;
+    ctx_l[v] = v < nv ? static_cast<int32_t>(tile.first + m / group + 1) : 1;
+  }
+  if (D % 32 == 0) {  // 16 pairs of each vector per register, transposed
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+      __m512i r[16];
+      _Pragma("GCC unroll 16")
+      for (int v = 0; v < 16; ++v) r[v] = qv[v] ? _mm512_loadu_si512(qv[v] + 2 * p0) : _mm512_setzero_si512();
+      transpose16(r);
+      _Pragma("GCC unroll 16")
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(qT + (p0 + i) * 16, r[i]);
     }
+    return;
+  }
+  for (int64_t v = 0; v < 16; ++v) {
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(qv[v]);
+    for (int64_t p = 0; p < D / 2; ++p) qT[p * 16 + v] = qr ? qr[p] : 0;
   }
 }
 
@@ -816,20 +896,22 @@ inline __m512 softmax_block(const float* sT, __m512i ctx, int64_t j0, bool maske
   return alpha;
 }
 
-// Vector m0 + v's output (v < nv): column v of O^T (acc [D][16]) over its sum, 16 d at a time by gathers.
+// Vector m0 + v's output (v < nv): column v of O^T (acc [D][16]) times 1 / its sum, 16 d at a time transposed in
+// registers.
 inline void write_vectors(const float* acc, __m512 lv, const RowTile& tile, int64_t m0, int64_t nv, int64_t group,
                           int64_t H, int64_t D, uint16_t* out) {
-  const __m512i dcol = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-  alignas(64) float inv[16];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), lv));
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), lv);
+  uint16_t* o[16];
   for (int64_t v = 0; v < nv; ++v) {
     const int64_t m = m0 + v;
-    uint16_t* o = out + ((tile.r0 + m / group) * H + tile.kvh * group + m % group) * D;
-    const __m512 iv = _mm512_set1_ps(inv[v]);
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      const __m512i idx = _mm512_add_epi32(dcol, _mm512_set1_epi32(static_cast<int32_t>(d0 * 16 + v)));
-      store16(o + d0, _mm512_mul_ps(_mm512_i32gather_ps(idx, acc, 4), iv));
-    }
+    o[v] = out + ((tile.r0 + m / group) * H + tile.kvh * group + m % group) * D;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {  // D % 16 == 0 (checked by the caller)
+    __m512i r[16];
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < 16; ++i) r[i] = (__m512i)_mm512_mul_ps(_mm512_load_ps(acc + (d0 + i) * 16), inv);
+    transpose16(r);
+    for (int64_t v = 0; v < nv; ++v) store16(o[v] + d0, (__m512)r[v]);
   }
 }
 
@@ -877,7 +959,8 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
   const int64_t group = H / KVH;
   const Layout L = lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
   const int64_t blk = L.blk;
-  const auto items = work_items(qsl, B, KVH);
+  const auto items = work_items(qsl, seq_lens, B, KVH);
+  std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
@@ -888,7 +971,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     alignas(64) int32_t ctx_l[16];
     const __m512 scv = _mm512_set1_ps(scale * 1.4426950408889634f);  // scores in log2 units
     for (int64_t tid = t0; tid < t1; ++tid) {
-      for (int64_t it = tid; it < n_items; it += nt) {
+      for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
         const RowTile tile(items[it], qsl, seq_lens, group);
         const int64_t first = tile.first, M = tile.M;
         const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
@@ -936,7 +1019,8 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
   const int64_t group = H / KVH;
   const rows_bf16::Layout L = rows_bf16::lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
   const int64_t blk = L.blk;
-  const auto items = rows_bf16::work_items(qsl, B, KVH);
+  const auto items = rows_bf16::work_items(qsl, seq_lens, B, KVH);
+  std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
   const bool resident = D == 64;  // O^T in tiles 0-3 across blocks
@@ -952,7 +1036,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     amx::Tiles tiles;
     tiles.use(16);
     for (int64_t tid = t0; tid < t1; ++tid) {
-      for (int64_t it = tid; it < n_items; it += nt) {
+      for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
         const RowTile tile(items[it], qsl, seq_lens, group);
         const int64_t first = tile.first, M = tile.M;
         const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);

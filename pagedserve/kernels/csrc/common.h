@@ -48,11 +48,17 @@ inline float round_to(float x) {
   return Elem<S>::load(Elem<S>::store(x));
 }
 
+// The first 64-byte aligned element of v (which must hold 64 bytes more than is used).
+template <typename T>
+inline T* align64_in(std::vector<T>& v) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
 // v resized to hold n elements from a 64-byte boundary; returns that boundary (scratch buffers of the kernels).
 template <typename T>
 inline T* align64(std::vector<T>& v, size_t n) {
   v.resize(n + 64 / sizeof(T));
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+  return align64_in(v);
 }
 
 template <typename S>
