@@ -926,7 +926,7 @@ inline void scores16(const uint16_t* kd, const uint32_t* qT, int64_t D, float* d
     const __m512bh qv = (__m512bh)_mm512_load_si512(qT + p * 16);
     _Pragma("GCC unroll 16")
     for (int j = 0; j < 16; ++j)
-      s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)_mm512_set1_epi32(static_cast<int>(k32[j * (D / 2) + p])), qv);
+      s[j] = dpbf16_bcast(s[j], k32 + j * (D / 2) + p, qv);
   }
   _Pragma("GCC unroll 16")
   for (int j = 0; j < 16; ++j) _mm512_store_ps(dst + j * 16, s[j]);
@@ -947,7 +947,7 @@ inline void pv16(const uint16_t* vd, const uint32_t* pT, int64_t d0, bool scale,
     const __m512bh pv = (__m512bh)_mm512_load_si512(pT + t * 16);
     _Pragma("GCC unroll 16")
     for (int i = 0; i < 16; ++i)
-      a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(v32[(d0 + i) * (kBlock / 2) + t])), pv);
+      a[i] = dpbf16_bcast(a[i], v32 + (d0 + i) * (kBlock / 2) + t, pv);
   }
   _Pragma("GCC unroll 16")
   for (int i = 0; i < 16; ++i) _mm512_store_ps(acc + (d0 + i) * 16, a[i]);
