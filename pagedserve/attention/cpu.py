@@ -121,8 +121,9 @@ class BatchedGatherBackend(AttentionBackend):
                 if len(groups) == 1:  # every row of the step, in order: q read in place, no copy back
                     return self.kernels.paged_attention_rows(q, k_cache, v_cache, g.block_tables, g.seq_lens,
                                                              g.q_start, scale)
-                out[g.out_rows] = self.kernels.paged_attention_rows(
-                    q[g.out_rows], k_cache, v_cache, g.block_tables, g.seq_lens, g.q_start, scale)
+                # Among decode rows: the kernel reads its rows of q and writes its rows of `out` in place.
+                self.kernels.paged_attention_rows_into(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.q_start,
+                                                       g.out_rows, out, scale)
                 continue
             G, max_q = g.token_index.shape
             keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]

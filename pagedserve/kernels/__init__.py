@@ -113,6 +113,11 @@ class CpuKernels:
         """The strict mode's attention: every query row over its own context in a per-row fixed order."""
         return self.ext.paged_attention_rows(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
+    def paged_attention_rows_into(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, out,
+                                  scale: float) -> None:
+        """paged_attention_rows over the rows q[rows] (query_start_loc indexes rows), written to out[rows] in place."""
+        self.ext.paged_attention_rows_into(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, out, scale)
+
     # ---- the batch-invariant matmul (csrc/fixed_gemm.cpp; every build) -----------------------------
     def fixed_pack(self, weight):
         """[N, K] float32/bf16 -> the packed layout fixed_linear reads ([ceil(N/16), K, 16])."""

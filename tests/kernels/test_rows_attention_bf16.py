@@ -131,3 +131,26 @@ def test_other_head_shapes(ext, route, shape):
     a = ext.paged_attention_rows(q[:67], kc, vc, bt, torch.tensor([87]), torch.tensor([0, 67]), d**-0.5)
     b = ext.paged_attention_rows(q[67:], kc, vc, bt, torch.tensor([170]), torch.tensor([0, 83]), d**-0.5)
     assert torch.equal(torch.cat([a, b]), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-gather-route"])
+def test_rows_into_reads_and_writes_its_rows_in_place(ext, cache, route, dtype):
+    """paged_attention_rows_into (a step's prefill rows among its decode rows): the rows q[rows] through the kernel,
+    written to out[rows] with the bits paged_attention_rows gives on the gathered rows; other rows of out untouched.
+    Float32 queries take the gather + scatter fallback, with the same bits too."""
+    kc, vc, perm = cache
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(300, H, D, generator=g).to(dtype)[::2]  # strided rows
+    rows = torch.tensor(sorted(torch.randperm(150, generator=g)[:120].tolist()))  # 2 sequences: 70 + 50 rows
+    seq_lens, qsl = torch.tensor([90, 50]), torch.tensor([0, 70, 120])
+    bt = torch.stack([perm[:8], perm[8:16]]).contiguous()
+    expected = ext.paged_attention_rows(q[rows], kc, vc, bt, seq_lens, qsl, D**-0.5)
+    out = torch.full((150, H, D), 7.0, dtype=expected.dtype)
+    ext.paged_attention_rows_into(q, kc, vc, bt, seq_lens, qsl, rows, out, D**-0.5)
+    assert torch.equal(out[rows], expected)
+    untouched = torch.ones(150, dtype=torch.bool)
+    untouched[rows] = False
+    assert (out[untouched] == 7.0).all()
+    for bad in (torch.tensor(rows.tolist()[:-1] + [150]), torch.tensor(rows.tolist()[:-1] + [rows[0].item()])):
+        with pytest.raises(RuntimeError, match="bad row"):  # outside q, or a row twice
+            ext.paged_attention_rows_into(q, kc, vc, bt, seq_lens, qsl, bad, out, D**-0.5)

@@ -710,12 +710,16 @@ inline std::vector<std::tuple<int64_t, int64_t, int64_t>> work_items(const int64
 
 // One work item: sequence b's query rows r0 .. r0 + R - 1 for kv head kvh, M = R * group query vectors; row i of
 // the tile sees keys 0 .. first + i.
+// rows (null: the identity) maps the call's row i to its row of q and out.
 struct RowTile {
   int64_t b, r0, kvh, R, first, M;
-  RowTile(const std::tuple<int64_t, int64_t, int64_t>& item, const int64_t* qsl, const int64_t* seq_lens, int64_t group)
+  const int64_t* rows;
+  RowTile(const std::tuple<int64_t, int64_t, int64_t>& item, const int64_t* qsl, const int64_t* seq_lens, int64_t group,
+          const int64_t* rows)
       : b(std::get<0>(item)), r0(std::get<1>(item)), kvh(std::get<2>(item)),
         R(std::min(qsl[b + 1], r0 + kTile) - r0), first(seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b])),
-        M(R * group) {}
+        M(R * group), rows(rows) {}
+  int64_t row(int64_t i) const { return rows ? rows[r0 + i] : r0 + i; }  // q / out row of the tile's row i
 };
 
 // A 16 x 16 matrix of 32-bit elements, one row per register, transposed in place (r[i] lane j <-> r[j] lane i):
@@ -835,7 +839,7 @@ inline void load_vectors(const uint16_t* q, int64_t qs, const RowTile& tile, int
   const uint16_t* qv[16];
   for (int64_t v = 0; v < 16; ++v) {
     const int64_t m = m0 + v;
-    qv[v] = v < nv ? q + (tile.r0 + m / group) * qs + (tile.kvh * group + m % group) * D : nullptr;
+    qv[v] = v < nv ? q + tile.row(m / group) * qs + (tile.kvh * group + m % group) * D : nullptr;
     ctx_l[v] = v < nv ? static_cast<int32_t>(tile.first + m / group + 1) : 1;
   }
   if (D % 32 == 0) {  // 16 pairs of each vector per register, transposed
@@ -904,7 +908,7 @@ inline void write_vectors(const float* acc, __m512 lv, const RowTile& tile, int6
   uint16_t* o[16];
   for (int64_t v = 0; v < nv; ++v) {
     const int64_t m = m0 + v;
-    o[v] = out + ((tile.r0 + m / group) * H + tile.kvh * group + m % group) * D;
+    o[v] = out + (tile.row(m / group) * H + tile.kvh * group + m % group) * D;
   }
   for (int64_t d0 = 0; d0 < D; d0 += 16) {  // D % 16 == 0 (checked by the caller)
     __m512i r[16];
@@ -954,8 +958,8 @@ inline void pv16(const uint16_t* vd, const uint32_t* pT, int64_t d0, bool scale,
 }
 
 void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
-         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-         int64_t BS, int64_t W, float scale) {
+         const int64_t* seq_lens, const int64_t* qsl, const int64_t* rows, uint16_t* out, int64_t B, int64_t H,
+         int64_t KVH, int64_t D, int64_t BS, int64_t W, float scale) {
   const int64_t group = H / KVH;
   const Layout L = lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
   const int64_t blk = L.blk;
@@ -972,7 +976,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     const __m512 scv = _mm512_set1_ps(scale * 1.4426950408889634f);  // scores in log2 units
     for (int64_t tid = t0; tid < t1; ++tid) {
       for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
-        const RowTile tile(items[it], qsl, seq_lens, group);
+        const RowTile tile(items[it], qsl, seq_lens, group, rows);
         const int64_t first = tile.first, M = tile.M;
         const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
         const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
@@ -1014,8 +1018,8 @@ using rows_bf16::kBlock;
 using rows_bf16::RowTile;
 
 void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
-         const int64_t* seq_lens, const int64_t* qsl, uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-         int64_t BS, int64_t W, float scale) {
+         const int64_t* seq_lens, const int64_t* qsl, const int64_t* rows, uint16_t* out, int64_t B, int64_t H,
+         int64_t KVH, int64_t D, int64_t BS, int64_t W, float scale) {
   const int64_t group = H / KVH;
   const rows_bf16::Layout L = rows_bf16::lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
   const int64_t blk = L.blk;
@@ -1037,7 +1041,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     tiles.use(16);
     for (int64_t tid = t0; tid < t1; ++tid) {
       for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
-        const RowTile tile(items[it], qsl, seq_lens, group);
+        const RowTile tile(items[it], qsl, seq_lens, group, rows);
         const int64_t first = tile.first, M = tile.M;
         const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
         const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
@@ -1138,9 +1142,12 @@ namespace pagedserve {
 // The strict mode's attention (see strict::rows_kernel). q: [T, H, D] (float32 or bf16, heads
 // contiguous), caches as paged_decode_attention's, block_tables [B, W], seq_lens [B] (context after this
 // step), query_start_loc [B + 1] (sequence b's rows are q[qsl[b]:qsl[b+1]]). Returns [T, H, D] in q's dtype.
-torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                                   double scale) {
+namespace {
+// Both entry points below. rows: null, or [T'] int64 (row i of the call is q[rows[i]], written to (*out)[rows[i]]).
+torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                             const torch::Tensor& query_start_loc, double scale, const torch::Tensor* rows,
+                             torch::Tensor* out) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention_rows: q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
@@ -1149,7 +1156,21 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
                   seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous() &&
                   query_start_loc.scalar_type() == torch::kInt64 && query_start_loc.is_contiguous(),
               "paged_attention_rows: block_tables, seq_lens and query_start_loc must be contiguous int64");
-  const int64_t B = block_tables.size(0), W = block_tables.size(1), T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = block_tables.size(0), W = block_tables.size(1), H = q.size(1), D = q.size(2);
+  const int64_t T = rows ? rows->numel() : q.size(0);
+  const int64_t* rw = nullptr;
+  if (rows) {
+    TORCH_CHECK(rows->scalar_type() == torch::kInt64 && rows->dim() == 1 && rows->is_contiguous(),
+                "paged_attention_rows_into: rows must be a contiguous 1-D int64 tensor");
+    TORCH_CHECK(out->is_contiguous() && out->sizes() == q.sizes() && out->scalar_type() == q.scalar_type(),
+                "paged_attention_rows_into: out must be contiguous, shaped and typed like q");
+    rw = rows->data_ptr<int64_t>();
+    std::vector<bool> seen(q.size(0), false);  // distinct rows: no two tiles may write one output row
+    for (int64_t i = 0; i < T; ++i) {
+      TORCH_CHECK(rw[i] >= 0 && rw[i] < q.size(0) && !seen[rw[i]], "paged_attention_rows_into: bad row ", rw[i]);
+      seen[rw[i]] = true;
+    }
+  }
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), num_blocks = k_cache.size(0);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_attention_rows: head shapes do not match");
   TORCH_CHECK(seq_lens.numel() == B && query_start_loc.numel() == B + 1, "paged_attention_rows: one entry per sequence");
@@ -1167,16 +1188,22 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
   }
 #ifdef PAGEDSERVE_ROWS_BF16
   if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 && D % 32 == 0 && D <= 256) {
-    auto res = torch::empty({T, H, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
+    auto res = rows ? *out : torch::empty({T, H, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
     auto* run = rows_bf16::run;
 #ifdef PAGEDSERVE_AMX
     if (amx_active()) run = rows_amx::run;
 #endif
-    run(ptr<uint16_t>(q), q.stride(0), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), bt, sl, qsl, ptr<uint16_t>(res), B,
-        H, KVH, D, BS, W, static_cast<float>(scale));
+    run(ptr<uint16_t>(q), q.stride(0), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), bt, sl, qsl, rw,
+        ptr<uint16_t>(res), B, H, KVH, D, BS, W, static_cast<float>(scale));
     return res;
   }
 #endif
+  if (rows) {  // the other routes: gather the rows, run them in order, scatter the result
+    auto res = rows_attention(q.index_select(0, *rows), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                              scale, nullptr, nullptr);
+    out->index_copy_(0, *rows, res);
+    return *out;
+  }
   auto qf = q.to(torch::kFloat32).contiguous();
   auto res = torch::empty({T, H, D}, qf.options());
   const float sc = static_cast<float>(scale);
@@ -1196,6 +1223,22 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
     TORCH_CHECK(false, "paged_attention_rows: cache dtype must be float32 or bfloat16");
   }
   return q.scalar_type() == torch::kFloat32 ? res : res.to(q.scalar_type());
+}
+}  // namespace
+
+torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                                   double scale) {
+  return rows_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, nullptr, nullptr);
+}
+
+// The same for the rows q[rows[i]] (i < T'; query_start_loc runs from 0 to T'), each written to out[rows[i]] (out
+// [T, H, D] contiguous, q's dtype; other rows untouched): a step's prefill rows among its decode rows without gathering
+// them into a copy of q and scattering the result back.
+void paged_attention_rows_into(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                               torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor rows,
+                               torch::Tensor out, double scale) {
+  rows_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, &rows, &out);
 }
 
 }  // namespace pagedserve

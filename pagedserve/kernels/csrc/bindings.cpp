@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged KV cache, written into out's rows");
   m.def("paged_attention_rows", &pagedserve::paged_attention_rows,
         "the strict mode's attention: every query row over its own context, in an order fixed per row");
+  m.def("paged_attention_rows_into", &pagedserve::paged_attention_rows_into,
+        "paged_attention_rows over the rows q[rows], written into out's rows");
   m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm of [T, H] rows");
   m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
   m.def("rotary_write_kv", &pagedserve::rotary_write_kv, "rotary on q/k in place + K/V into the paged cache");

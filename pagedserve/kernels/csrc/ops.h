@@ -9,6 +9,9 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                                    double scale);
+void paged_attention_rows_into(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                               torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor rows,
+                               torch::Tensor out, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
