@@ -116,7 +116,8 @@ class CpuKernels:
     def paged_attention_rows_into(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, out,
                                   scale: float) -> None:
         """paged_attention_rows over the rows q[rows] (query_start_loc indexes rows), written to out[rows] in place."""
-        self.ext.paged_attention_rows_into(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, out, scale)
+        self.ext.paged_attention_rows_into(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, out,
+                                           scale)
 
     # ---- the batch-invariant matmul (csrc/fixed_gemm.cpp; every build) -----------------------------
     def fixed_pack(self, weight):

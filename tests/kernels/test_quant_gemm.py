@@ -258,7 +258,8 @@ def test_bf16_silu_is_silu_and_mul_over_the_bf16_linear(kernels, threads, bf16_r
             assert got.dtype == torch.bfloat16 and got.shape == (m, I)
             assert torch.equal(got, ref), (m, t)
     gate, up = (x.double() @ dequantize(raw, qtype).to(torch.bfloat16).double().t()).chunk(2, dim=-1)
-    assert torch.allclose(got.double(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2 * float(up.abs().max()))
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.allclose(got.double(), expected, rtol=2e-2, atol=2e-2 * float(up.abs().max()))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernels.quant_linear_bf16_silu(x[:4], packed, int(qtype), 2 * I - 16)
 
