@@ -1,5 +1,6 @@
 """Profile one decode step of W1 (128 running sequences, 128-token prompts) and of W2 (one sequence,
-32-token prompt), by op. Usage: python benchmarks/profile_step.py OUT.txt [DTYPE]
+32-token prompt), a W3 prefill step and one of W1's prefill steps (prompt chunks and decode rows together), by op.
+Usage: python benchmarks/profile_step.py OUT.txt [DTYPE]
 
 pagedserve's C++ kernels are pybind functions the profiler cannot see, so for the profiled step each is
 wrapped in a `record_function` named `pagedserve::<kernel>`. W2 normally runs every layer in one C++ call
@@ -41,7 +42,8 @@ class _Traced:
     def __init__(self, mod) -> None:
         self._mod = mod
         for k in KERNELS:
-            setattr(self, k, _named(getattr(mod, k), k))
+            if hasattr(mod, k):  # (an older build may lack a newer kernel)
+                setattr(self, k, _named(getattr(mod, k), k))
 
     def __getattr__(self, name):
         return getattr(self._mod, name)
@@ -114,6 +116,28 @@ def profile_prefill(engine: LLMEngine, num: int, input_len: int, out) -> None:
     engine.abort_all()
 
 
+def profile_mixed(engine: LLMEngine, out) -> None:
+    """W1's second step: 16 decode rows (the first step's prompts) + 2,032 prompt tokens of the next 16 prompts."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
+    for i, p in enumerate(random_prompts(128, 128, 2)):
+        engine.add_request(f"warm1-{i}", {"prompt_token_ids": p}, params)
+    engine.step()
+    engine.step()  # warm-up: the same two shapes
+    engine.abort_all()
+    for i, p in enumerate(random_prompts(128, 128, 3)):  # prompts no earlier profile left in the prefix cache
+        engine.add_request(f"w1-{i}", {"prompt_token_ids": p}, params)
+    engine.step()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    step_s = time.perf_counter() - start
+    tokens = engine.step_records[-1].num_scheduled_tokens
+    out.write(f"\n== W1 prefill step with decodes in it, 128 prompts of 128 ({tokens} tokens scheduled): "
+              f"{step_s * 1000:.1f} ms/step (profiled) ==\n")
+    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
+    engine.abort_all()
+
+
 def main() -> None:
     engine = LLMEngine(EngineConfig(dtype=sys.argv[2] if len(sys.argv) > 2 else "auto"))
     trace_kernels(engine)
@@ -123,6 +147,7 @@ def main() -> None:
         profile_decode(engine, 128, 128, out)  # W1
         profile_decode(engine, 1, 32, out)  # W2
         profile_prefill(engine, 16, 1024, out)  # W3
+        profile_mixed(engine, out)  # W1's prefill steps
 
 
 if __name__ == "__main__":
