@@ -96,6 +96,18 @@ def profile_decode(engine: LLMEngine, batch: int, input_len: int, out) -> None:
     engine.abort_all()
 
 
+def profile_one_step(engine: LLMEngine, out, title: str) -> None:
+    """Profile the engine's next step, write its table under `title`, then abort every request."""
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    step_s = time.perf_counter() - start
+    tokens = engine.step_records[-1].num_scheduled_tokens
+    out.write(f"\n== {title} ({tokens} tokens scheduled): {step_s * 1000:.1f} ms/step (profiled) ==\n")
+    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
+    engine.abort_all()
+
+
 def profile_prefill(engine: LLMEngine, num: int, input_len: int, out) -> None:
     """One full prefill step of W3 (16 prompts of 1,024 tokens: the step takes max_num_batched_tokens)."""
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
@@ -105,15 +117,7 @@ def profile_prefill(engine: LLMEngine, num: int, input_len: int, out) -> None:
     engine.abort_all()
     for i, p in enumerate(random_prompts(num, input_len, 0)):
         engine.add_request(f"w3-{i}", {"prompt_token_ids": p}, params)
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.step()
-    step_s = time.perf_counter() - start
-    tokens = engine.step_records[-1].num_scheduled_tokens
-    out.write(f"\n== prefill step, {num} prompts of {input_len} ({tokens} tokens scheduled): "
-              f"{step_s * 1000:.1f} ms/step (profiled) ==\n")
-    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
-    engine.abort_all()
+    profile_one_step(engine, out, f"prefill step, {num} prompts of {input_len}")
 
 
 def profile_mixed(engine: LLMEngine, out) -> None:
@@ -127,15 +131,7 @@ def profile_mixed(engine: LLMEngine, out) -> None:
     for i, p in enumerate(random_prompts(128, 128, 3)):  # prompts no earlier profile left in the prefix cache
         engine.add_request(f"w1-{i}", {"prompt_token_ids": p}, params)
     engine.step()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.step()
-    step_s = time.perf_counter() - start
-    tokens = engine.step_records[-1].num_scheduled_tokens
-    out.write(f"\n== W1 prefill step with decodes in it, 128 prompts of 128 ({tokens} tokens scheduled): "
-              f"{step_s * 1000:.1f} ms/step (profiled) ==\n")
-    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
-    engine.abort_all()
+    profile_one_step(engine, out, "W1 prefill step with decodes in it, 128 prompts of 128")
 
 
 def main() -> None:

@@ -692,20 +692,15 @@ constexpr int64_t kBlock = 32;  // keys per softmax block
 inline std::vector<std::tuple<int64_t, int64_t, int64_t>> work_items(const int64_t* qsl, const int64_t* seq_lens,
                                                                      int64_t B, int64_t KVH) {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> items;
-  std::vector<int64_t> end;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = qsl[b]; r < qsl[b + 1]; r += kTile)
-      for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-        items.emplace_back(b, r, kvh);
-        end.push_back(seq_lens[b] - (qsl[b + 1] - r) + std::min(kTile, qsl[b + 1] - r));  // context of its last row
-      }
-  std::vector<int64_t> order(items.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return end[a] > end[b]; });
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> sorted;
-  sorted.reserve(items.size());
-  for (int64_t i : order) sorted.push_back(items[i]);
-  return sorted;
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) items.emplace_back(b, r, kvh);
+  auto end = [&](const std::tuple<int64_t, int64_t, int64_t>& item) {  // context of the tile's last row
+    const int64_t b = std::get<0>(item), left = qsl[b + 1] - std::get<1>(item);  // rows from r0 to the end
+    return seq_lens[b] - left + std::min(kTile, left);
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const auto& x, const auto& y) { return end(x) > end(y); });
+  return items;
 }
 
 // One work item: sequence b's query rows r0 .. r0 + R - 1 for kv head kvh, M = R * group query vectors; row i of
@@ -967,39 +962,37 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {  // each thread takes items from `next`
     alignas(64) uint32_t qT[(256 / 2) * 16];
     alignas(64) float sT[kBlock * 16];
     alignas(64) uint32_t pT[16 * 16];
     alignas(64) float acc[256 * 16];
     alignas(64) int32_t ctx_l[16];
     const __m512 scv = _mm512_set1_ps(scale * 1.4426950408889634f);  // scores in log2 units
-    for (int64_t tid = t0; tid < t1; ++tid) {
-      for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
-        const RowTile tile(items[it], qsl, seq_lens, group, rows);
-        const int64_t first = tile.first, M = tile.M;
-        const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
-        const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
-        for (int64_t m0 = 0; m0 < M; m0 += 16) {  // 16 query vectors at a time
-          const int64_t nv = std::min<int64_t>(16, M - m0);
-          load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l);
-          const __m512i ctx = _mm512_load_si512(ctx_l);
-          const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
-          __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
-          std::memset(acc, 0, D * 16 * sizeof(float));
-          const int64_t nblk = (cmax + kBlock - 1) / kBlock;
-          for (int64_t jb = 0; jb < nblk; ++jb) {
-            const int64_t j0 = jb * kBlock;
-            const uint16_t* kd = kb + jb * blk;
-            scores16(kd, qT, D, sT);
-            scores16(kd + 16 * D, qT, D, sT + 16 * 16);
-            __mmask16 grew;
-            const __m512 alpha = softmax_block(sT, ctx, j0, j0 + kBlock > cmin, scv, mv, lv, pT, grew);
-            const bool rescale = jb > 0 && grew;
-            for (int64_t d0 = 0; d0 < D; d0 += 16) pv16(vb + jb * blk, pT, d0, rescale, alpha, acc);
-          }
-          write_vectors(acc, lv, tile, m0, nv, group, H, D, out);
+    for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {  // until no item is left
+      const RowTile tile(items[it], qsl, seq_lens, group, rows);
+      const int64_t first = tile.first, M = tile.M;
+      const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
+      const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {  // 16 query vectors at a time
+        const int64_t nv = std::min<int64_t>(16, M - m0);
+        load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l);
+        const __m512i ctx = _mm512_load_si512(ctx_l);
+        const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
+        __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
+        std::memset(acc, 0, D * 16 * sizeof(float));
+        const int64_t nblk = (cmax + kBlock - 1) / kBlock;
+        for (int64_t jb = 0; jb < nblk; ++jb) {
+          const int64_t j0 = jb * kBlock;
+          const uint16_t* kd = kb + jb * blk;
+          scores16(kd, qT, D, sT);
+          scores16(kd + 16 * D, qT, D, sT + 16 * 16);
+          __mmask16 grew;
+          const __m512 alpha = softmax_block(sT, ctx, j0, j0 + kBlock > cmin, scv, mv, lv, pT, grew);
+          const bool rescale = jb > 0 && grew;
+          for (int64_t d0 = 0; d0 < D; d0 += 16) pv16(vb + jb * blk, pT, d0, rescale, alpha, acc);
         }
+        write_vectors(acc, lv, tile, m0, nv, group, H, D, out);
       }
     }
   });
@@ -1028,7 +1021,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n_items);
   const bool resident = D == 64;  // O^T in tiles 0-3 across blocks
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {  // each thread takes items from `next`
     alignas(64) uint32_t qT[(256 / 2) * 16];
     alignas(64) float sT2[2][kBlock * 16];
     alignas(64) uint32_t pT[16 * 16];
@@ -1039,94 +1032,92 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     const __m512 scv = _mm512_set1_ps(scale * 1.4426950408889634f);
     amx::Tiles tiles;
     tiles.use(16);
-    for (int64_t tid = t0; tid < t1; ++tid) {
-      for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
-        const RowTile tile(items[it], qsl, seq_lens, group, rows);
-        const int64_t first = tile.first, M = tile.M;
-        const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
-        const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
-        for (int64_t m0 = 0; m0 < M; m0 += 16) {  // one tile of 16 query vectors
-          const int64_t nv = std::min<int64_t>(16, M - m0);
-          rows_bf16::load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l);
-          const __m512i ctx = _mm512_load_si512(ctx_l);
-          const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
-          __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
-          if (resident) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-          }
-          // S^T of block jb: keys 0-15 (tile 4) and 16-31 (tile 5) x 16 vectors, into dst.
-          auto scores = [&](int64_t jb, float* dst) {
-            const uint16_t* kd = kb + jb * blk;
-            _tile_zero(4);
-            _tile_zero(5);
-            for (int64_t c = 0; c < D / 32; ++c) {
-              _tile_loadd(7, qT + c * 16 * 16, 64);
-              _tile_loadd(6, kd + c * 32, D * 2);
-              _tile_dpbf16ps(4, 6, 7);
-              _tile_loadd(6, kd + 16 * D + c * 32, D * 2);
-              _tile_dpbf16ps(5, 6, 7);
-            }
-            _tile_stored(4, dst, 64);
-            _tile_stored(5, dst + 16 * 16, 64);
-          };
-          // One block ahead: the next block's S^T tiles are issued before this block's softmax (which reads the
-          // other sT buffer), so the AMX work and the AVX-512 softmax overlap instead of taking turns (tiles are
-          // not renamed: in program order S(jb + 1) waits for P.V(jb - 1) only, and softmax(jb) for nothing).
-          const int64_t nblk = (cmax + kBlock - 1) / kBlock;
-          scores(0, sT2[0]);
-          for (int64_t jb = 0; jb < nblk; ++jb) {
-            const int64_t j0 = jb * kBlock;
-            const uint16_t* vd = vb + jb * blk;
-            if (jb + 1 < nblk) scores(jb + 1, sT2[(jb + 1) & 1]);
-            __mmask16 grew;
-            const __m512 alpha = rows_bf16::softmax_block(sT2[jb & 1], ctx, j0, j0 + kBlock > cmin, scv, mv, lv, pT, grew);
-            _tile_loadd(7, pT, 64);
-            if (resident) {
-              if (jb > 0 && grew) {  // rescale O^T: every vector by its alpha
-                _tile_stored(0, acc, 64);
-                _tile_stored(1, acc + 256, 64);
-                _tile_stored(2, acc + 512, 64);
-                _tile_stored(3, acc + 768, 64);
-                for (int64_t d = 0; d < 64; ++d) _mm512_store_ps(acc + d * 16, _mm512_mul_ps(_mm512_load_ps(acc + d * 16), alpha));
-                _tile_loadd(0, acc, 64);
-                _tile_loadd(1, acc + 256, 64);
-                _tile_loadd(2, acc + 512, 64);
-                _tile_loadd(3, acc + 768, 64);
-              }
-              _tile_loadd(6, vd, 64);
-              _tile_dpbf16ps(0, 6, 7);
-              _tile_loadd(6, vd + 16 * kBlock, 64);
-              _tile_dpbf16ps(1, 6, 7);
-              _tile_loadd(6, vd + 32 * kBlock, 64);
-              _tile_dpbf16ps(2, 6, 7);
-              _tile_loadd(6, vd + 48 * kBlock, 64);
-              _tile_dpbf16ps(3, 6, 7);
-            } else {
-              for (int64_t u = 0; u < D / 16; ++u) {
-                _tile_zero(0);
-                _tile_loadd(6, vd + u * 16 * kBlock, 64);
-                _tile_dpbf16ps(0, 6, 7);
-                _tile_stored(0, pv + u * 256, 64);
-              }
-              if (jb == 0) {
-                std::memcpy(acc, pv, D * 16 * 4);
-              } else {
-                for (int64_t d = 0; d < D; ++d)
-                  _mm512_store_ps(acc + d * 16, _mm512_fmadd_ps(_mm512_load_ps(acc + d * 16), alpha, _mm512_load_ps(pv + d * 16)));
-              }
-            }
-          }
-          if (resident) {
-            _tile_stored(0, acc, 64);
-            _tile_stored(1, acc + 256, 64);
-            _tile_stored(2, acc + 512, 64);
-            _tile_stored(3, acc + 768, 64);
-          }
-          rows_bf16::write_vectors(acc, lv, tile, m0, nv, group, H, D, out);
+    for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {  // until no item is left
+      const RowTile tile(items[it], qsl, seq_lens, group, rows);
+      const int64_t first = tile.first, M = tile.M;
+      const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
+      const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {  // one tile of 16 query vectors
+        const int64_t nv = std::min<int64_t>(16, M - m0);
+        rows_bf16::load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l);
+        const __m512i ctx = _mm512_load_si512(ctx_l);
+        const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
+        __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
+        if (resident) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
         }
+        // S^T of block jb: keys 0-15 (tile 4) and 16-31 (tile 5) x 16 vectors, into dst.
+        auto scores = [&](int64_t jb, float* dst) {
+          const uint16_t* kd = kb + jb * blk;
+          _tile_zero(4);
+          _tile_zero(5);
+          for (int64_t c = 0; c < D / 32; ++c) {
+            _tile_loadd(7, qT + c * 16 * 16, 64);
+            _tile_loadd(6, kd + c * 32, D * 2);
+            _tile_dpbf16ps(4, 6, 7);
+            _tile_loadd(6, kd + 16 * D + c * 32, D * 2);
+            _tile_dpbf16ps(5, 6, 7);
+          }
+          _tile_stored(4, dst, 64);
+          _tile_stored(5, dst + 16 * 16, 64);
+        };
+        // One block ahead: the next block's S^T tiles are issued before this block's softmax (which reads the
+        // other sT buffer), so the AMX work and the AVX-512 softmax overlap instead of taking turns (tiles are
+        // not renamed: in program order S(jb + 1) waits for P.V(jb - 1) only, and softmax(jb) for nothing).
+        const int64_t nblk = (cmax + kBlock - 1) / kBlock;
+        scores(0, sT2[0]);
+        for (int64_t jb = 0; jb < nblk; ++jb) {
+          const int64_t j0 = jb * kBlock;
+          const uint16_t* vd = vb + jb * blk;
+          if (jb + 1 < nblk) scores(jb + 1, sT2[(jb + 1) & 1]);
+          __mmask16 grew;
+          const __m512 alpha = rows_bf16::softmax_block(sT2[jb & 1], ctx, j0, j0 + kBlock > cmin, scv, mv, lv, pT, grew);
+          _tile_loadd(7, pT, 64);
+          if (resident) {
+            if (jb > 0 && grew) {  // rescale O^T: every vector by its alpha
+              _tile_stored(0, acc, 64);
+              _tile_stored(1, acc + 256, 64);
+              _tile_stored(2, acc + 512, 64);
+              _tile_stored(3, acc + 768, 64);
+              for (int64_t d = 0; d < 64; ++d) _mm512_store_ps(acc + d * 16, _mm512_mul_ps(_mm512_load_ps(acc + d * 16), alpha));
+              _tile_loadd(0, acc, 64);
+              _tile_loadd(1, acc + 256, 64);
+              _tile_loadd(2, acc + 512, 64);
+              _tile_loadd(3, acc + 768, 64);
+            }
+            _tile_loadd(6, vd, 64);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(6, vd + 16 * kBlock, 64);
+            _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(6, vd + 32 * kBlock, 64);
+            _tile_dpbf16ps(2, 6, 7);
+            _tile_loadd(6, vd + 48 * kBlock, 64);
+            _tile_dpbf16ps(3, 6, 7);
+          } else {
+            for (int64_t u = 0; u < D / 16; ++u) {
+              _tile_zero(0);
+              _tile_loadd(6, vd + u * 16 * kBlock, 64);
+              _tile_dpbf16ps(0, 6, 7);
+              _tile_stored(0, pv + u * 256, 64);
+            }
+            if (jb == 0) {
+              std::memcpy(acc, pv, D * 16 * 4);
+            } else {
+              for (int64_t d = 0; d < D; ++d)
+                _mm512_store_ps(acc + d * 16, _mm512_fmadd_ps(_mm512_load_ps(acc + d * 16), alpha, _mm512_load_ps(pv + d * 16)));
+            }
+          }
+        }
+        if (resident) {
+          _tile_stored(0, acc, 64);
+          _tile_stored(1, acc + 256, 64);
+          _tile_stored(2, acc + 512, 64);
+          _tile_stored(3, acc + 768, 64);
+        }
+        rows_bf16::write_vectors(acc, lv, tile, m0, nv, group, H, D, out);
       }
     }
   });
@@ -1139,9 +1130,6 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
 
 namespace pagedserve {
 
-// The strict mode's attention (see strict::rows_kernel). q: [T, H, D] (float32 or bf16, heads
-// contiguous), caches as paged_decode_attention's, block_tables [B, W], seq_lens [B] (context after this
-// step), query_start_loc [B + 1] (sequence b's rows are q[qsl[b]:qsl[b+1]]). Returns [T, H, D] in q's dtype.
 namespace {
 // Both entry points below. rows: null, or [T'] int64 (row i of the call is q[rows[i]], written to (*out)[rows[i]]).
 torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -1226,6 +1214,9 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
 }
 }  // namespace
 
+// The strict mode's attention (see strict::rows_kernel). q: [T, H, D] (float32 or bf16, heads
+// contiguous), caches as paged_decode_attention's, block_tables [B, W], seq_lens [B] (context after this
+// step), query_start_loc [B + 1] (sequence b's rows are q[qsl[b]:qsl[b+1]]). Returns [T, H, D] in q's dtype.
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                                    double scale) {
