@@ -442,6 +442,53 @@ void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
   }
 }
 
+// P.V of G <= 4 bf16 query heads against a bf16 cache, keys in pairs: the probabilities (normalized, float32 in sc,
+// G rows of S) rounded to bf16 pairs (p_2t, p_2t+1) as the prefill row kernel rounds them, the V rows of keys 2t and
+// 2t + 1 (one cache block: BS is even) interleaved into (v_2t[d], v_2t+1[d]) pairs of 16 d per register (vpermt2w),
+// then one vdpbf16ps per 16 d adds both keys' products for a head (a key past S: p = 0 and v = 0). About a third of
+// the instructions of pv_chunk's float32 path (which widens each V row and runs one FMA per key and 16 d).
+template <int G>
+void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
+                   int64_t D, uint16_t* out, std::vector<uint32_t>& pairs) {
+  const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
+  pairs.resize(G * pstride + 16);
+  for (int g = 0; g < G; ++g) {
+    uint16_t* pg = reinterpret_cast<uint16_t*>(pairs.data() + g * pstride);
+    for (int64_t j = 0; j < 2 * np; j += 32) {
+      const __mmask16 m0 = j >= S ? 0 : static_cast<__mmask16>(S - j >= 16 ? 0xFFFF : (1u << (S - j)) - 1u);
+      const __mmask16 m1 = j + 16 >= S ? 0 : static_cast<__mmask16>(S - j - 16 >= 16 ? 0xFFFF : (1u << (S - j - 16)) - 1u);
+      const __m512 lo = _mm512_maskz_loadu_ps(m0, sc + g * S + j), hi = _mm512_maskz_loadu_ps(m1, sc + g * S + j + 16);
+      _mm512_storeu_si512(pg + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+  const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                       36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+  for (int64_t c = 0; c < D; c += 64) {
+    __m512 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < np; ++t) {
+      const int64_t j = 2 * t;
+      const uint16_t* v0 = vc + table[j / BS] * BS * row + (j % BS) * row + c;
+      const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
+      __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+      if (j + 1 < S) {
+        b0 = _mm512_loadu_si512(v0 + row);
+        b1 = _mm512_loadu_si512(v0 + row + 32);
+      }
+      const __m512bh w[4] = {(__m512bh)_mm512_permutex2var_epi16(a0, ilo, b0),
+                             (__m512bh)_mm512_permutex2var_epi16(a0, ihi, b0),
+                             (__m512bh)_mm512_permutex2var_epi16(a1, ilo, b1),
+                             (__m512bh)_mm512_permutex2var_epi16(a1, ihi, b1)};
+      for (int g = 0; g < G; ++g)
+        for (int k = 0; k < 4; ++k) acc[g][k] = dpbf16_bcast(acc[g][k], pairs.data() + g * pstride + t, w[k]);
+    }
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < 4; ++k) store16(out + g * D + c + 16 * k, acc[g][k]);
+  }
+}
+
 #ifdef PAGEDSERVE_AMX
 // The same scores on AMX tiles (amx_active; D = 64; the calling task has the tiles configured to 16 rows):
 // S^T = K Q^T per 16 keys. A cache block's 16 K rows of this kv head are two A tiles as they lie (row stride
@@ -531,6 +578,15 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
 #endif
   if (!done) scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data());
   for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S);
+#ifdef PAGEDSERVE_DECODE_BF16
+  if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
+    if (D % 64 == 0 && BS % 2 == 0) {
+      thread_local std::vector<uint32_t> pairs;
+      pv_pairs_bf16<G>(sc.data(), vc, table, S, BS, row, D, out, pairs);
+      return;
+    }
+  }
+#endif
 
   int64_t c = 0;
   for (; c + 64 <= D; c += 64) pv_chunk<G, 4>(sc.data(), vc, table, S, BS, row, D, c, out);
