@@ -5,7 +5,9 @@
 // K/V row it reads serves every query head of the GQA group. Softmax is exact (max-subtracted, float32).
 //
 // With AVX-512 the query heads' dot products and the V accumulation stay in registers (templated on the
-// group size); without it (AVX2 or older CPUs) the portable `legacy` kernel runs.
+// group size); with AVX512-BF16, a bf16 cache and query run the scores as pair dot products and P.V over key pairs
+// (the probabilities rounded to bf16, as the prefill row kernel does); without AVX-512 (AVX2 or older CPUs) the
+// portable `legacy` kernel runs.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
