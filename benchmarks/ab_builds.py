@@ -1,0 +1,85 @@
+"""W1 or W2 on two builds of the C++ extension in ONE process, alternating, so that a noisy host's drift falls on
+both alike (these machines vary by up to 1.7x within minutes).
+
+    python benchmarks/ab_builds.py A.so B.so --workload W2 --reps 6
+
+A.so / B.so: extension builds, e.g. ~/.cache/torch_extensions/py311_cpu/pagedserve_cpu_<hash>/pagedserve_cpu_<hash>.so
+of two commits (an older commit's build: `git worktree add /tmp/old <commit>` and import pagedserve from there once).
+Each build gets its own engine (same model, same random prompts); W1 is 128 prompts of 128 ids, 128 out; W2 one
+request of 32 ids, 256 out, averaged over its decode steps. Prints both figures per repetition and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import pagedserve.kernels as kernels
+from pagedserve import SamplingParams
+from pagedserve.config import EngineConfig
+from pagedserve.engine.engine import LLMEngine
+from pagedserve.entrypoints.cli.bench import random_prompts
+
+
+def load_build(path: str):
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_w1(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
+    engine.reset_prefix_cache()
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
+    for j, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{j}", {"prompt_token_ids": p}, params)
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(prompts) * 128 / (time.perf_counter() - t)
+
+
+def run_w2(engine: LLMEngine, prompt: list[int], tag: str) -> float:
+    engine.reset_prefix_cache()
+    engine.add_request(tag, {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, ignore_eos=True, max_tokens=256))
+    times = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return (len(times) - 1) / sum(times[1:])  # decode steps only (the first step is the prefill)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--workload", choices=("W1", "W2"), default="W2")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+    engines = []
+    for path in (args.a, args.b):
+        build = load_build(path)
+        kernels.load_extension = lambda arch="native", build=build: build  # what CpuKernels.build loads
+        engines.append(LLMEngine(EngineConfig(dtype="auto", **({"model": args.model} if args.model else {}))))
+    figures: list[list[float]] = [[], []]
+    unit = "output tok/s" if args.workload == "W1" else "decode tok/s"
+    for rep in range(args.reps):
+        for i, engine in enumerate(engines):
+            if args.workload == "W1":
+                figures[i].append(run_w1(engine, random_prompts(128, 128, 0), f"r{rep}"))
+            else:
+                figures[i].append(run_w2(engine, random_prompts(1, 32, rep)[0], f"r{rep}"))
+        print(f"rep {rep}: A {figures[0][-1]:.1f}  B {figures[1][-1]:.1f} {unit}", flush=True)
+    a, b = statistics.median(figures[0]), statistics.median(figures[1])
+    print(f"{args.workload} median: A {a:.1f}  B {b:.1f} {unit}  B/A {b / a:.3f}")
+
+
+if __name__ == "__main__":
+    main()
