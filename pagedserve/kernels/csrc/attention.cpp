@@ -454,12 +454,15 @@ void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, in
                    int64_t D, uint16_t* out, std::vector<uint32_t>& pairs) {
   const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
   pairs.resize(G * pstride + 16);
+  auto lanes = [](int64_t n) {  // the first n lanes (none for n <= 0, all 16 from n >= 16)
+    return static_cast<__mmask16>(n <= 0 ? 0u : n >= 16 ? 0xFFFFu : (1u << n) - 1u);
+  };
   for (int g = 0; g < G; ++g) {
     uint16_t* pg = reinterpret_cast<uint16_t*>(pairs.data() + g * pstride);
     for (int64_t j = 0; j < 2 * np; j += 32) {
-      const __mmask16 m0 = j >= S ? 0 : static_cast<__mmask16>(S - j >= 16 ? 0xFFFF : (1u << (S - j)) - 1u);
-      const __mmask16 m1 = j + 16 >= S ? 0 : static_cast<__mmask16>(S - j - 16 >= 16 ? 0xFFFF : (1u << (S - j - 16)) - 1u);
-      const __m512 lo = _mm512_maskz_loadu_ps(m0, sc + g * S + j), hi = _mm512_maskz_loadu_ps(m1, sc + g * S + j + 16);
+      const float* p = sc + g * S + j;
+      const __m512 lo = _mm512_maskz_loadu_ps(lanes(S - j), p);
+      const __m512 hi = _mm512_maskz_loadu_ps(lanes(S - j - 16), p + 16);
       _mm512_storeu_si512(pg + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }

@@ -466,19 +466,22 @@ inline void run_tile(int64_t R, int P, const float* x, int64_t xs, const float* 
 // 11.8 -> 13.5 GB/s against per-panel prefetcht0 4 KB ahead; a plain read of the same groups 22.6 -> 31-37 GB/s.
 constexpr int64_t kStreamAhead = 16384;
 
-#ifdef PAGEDSERVE_QUANT_AVX2
-// The stream's bytes [pos, pos + bytes) of a group starting at `group`, kStreamAhead ahead.
-inline void prefetch_stream(const uint8_t* group, int64_t pos, int64_t bytes) {
-  const char* ahead = reinterpret_cast<const char*>(group) + pos + kStreamAhead;
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
+// bytes from p into L2 (prefetcht1), a cache line at a time.
+inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
+// The stream's bytes [pos, pos + bytes) of a group starting at `group`, kStreamAhead ahead.
+inline void prefetch_stream(const uint8_t* group, int64_t pos, int64_t bytes) {
+  prefetch_l2(group + pos + kStreamAhead, bytes);
+}
+
+#ifdef PAGEDSERVE_QUANT_AVX2
 // The few-rows kernel: R rows of x against P panels (16 P columns) over all of K, the weights widened in
 // registers one k at a time (no buffer): acc[r * 16 P + p * 16 + j] = the chain of row r, column p * 16 + j.
-
+// init_panels: the 32-k step at k0 of P panels (and its share of the stream ahead).
 template <int64_t T, int P>
 inline void init_panels(Widen<T>* wd, const uint8_t* panel, int64_t pstride, int64_t k0) {
-  // The 32-k step at k0 of P panels (and its share of the stream ahead).
   constexpr QuantType t = quant_type(T);
   constexpr int64_t pbb = 16 * t.block_bytes, step_bytes = 16 * t.block_bytes * 32 / t.block_size;
   const int64_t boff = (k0 / t.block_size) * pbb;
@@ -602,9 +605,8 @@ inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int6
                         int64_t N, F&& kernel, S setup = {}) {
   const int64_t groups = (panels + P - 1) / P;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    const uint8_t* start = w + g0 * P * pstride;
-    const int64_t first = std::min<int64_t>(kStreamAhead, (std::min(g1 * P, panels) - g0 * P) * pstride);
-    for (int64_t off = 0; off < first; off += 64) __builtin_prefetch(start + off, 0, 2);
+    const int64_t task_bytes = (std::min(g1 * P, panels) - g0 * P) * pstride;
+    prefetch_l2(w + g0 * P * pstride, std::min(kStreamAhead, task_bytes));
     [[maybe_unused]] const auto task = setup();
     alignas(64) float acc[MaxRows * 2 * 16];
     for (int64_t g = g0; g < g1; ++g) {
