@@ -86,11 +86,17 @@ class CpuKernels:
         return dataclasses.replace(self, **changes)
 
     # ---- the fused ops every build has (thin, typed entry points) -----------------------------------
-    def rms_norm(self, x, weight, eps: float):
-        return self.ext.rms_norm(x, weight, eps)
+    def rms_norm(self, x, weight, eps: float, once: bool = False):
+        """once: Gemma's rounding (x_hat * w in float32, rounded once); else Llama's (x_hat rounded, then * w)."""
+        return self.ext.rms_norm(x, weight, eps, once)
 
-    def fused_add_rms_norm(self, x, residual, weight, eps: float) -> None:
-        self.ext.fused_add_rms_norm(x, residual, weight, eps)
+    def fused_add_rms_norm(self, x, residual, weight, eps: float, once: bool = False) -> None:
+        self.ext.fused_add_rms_norm(x, residual, weight, eps, once)
+
+    def rms_norm_heads(self, qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, eps: float,
+                       once: bool) -> None:
+        """RMSNorm of each q head (q_weight) and k head (k_weight) inside qkv's rows, in place (Qwen3, Gemma 3)."""
+        self.ext.rms_norm_heads(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps, once)
 
     def rotary_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int,
                         num_kv_heads: int) -> None:
@@ -98,6 +104,10 @@ class CpuKernels:
 
     def silu_and_mul(self, gate_up):
         return self.ext.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up):
+        """GeGLU: gelu(gate) with the tanh approximation, rounded to the dtype, times up."""
+        return self.ext.gelu_tanh_and_mul(gate_up)
 
     def argmax_rows(self, logits):
         return self.ext.argmax_rows(logits)

@@ -124,6 +124,13 @@ class ModelConfig:
                 and self.rope_local_theta is None and self.query_pre_attn_scalar is None
                 and self.attn_logit_softcapping is None and self.final_logit_softcapping is None)
 
+    @property
+    def stack_decoder(self) -> bool:
+        """A decoder DecodeStack runs (kernels/csrc/decode_stack.cpp): the plain one, and with QK-norm (Qwen3), the
+        sandwich norms, GeGLU, the embedding scale, a second rotary base and the query_pre_attn_scalar (Gemma 3) --
+        not partial rotary (Phi-3) nor soft-capped attention scores (Gemma 2), which its kernels do not do."""
+        return self.partial_rotary_factor == 1.0 and self.attn_logit_softcapping is None
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []

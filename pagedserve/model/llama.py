@@ -4,9 +4,10 @@ per layer, GeGLU, embedding scale, soft-capping, per-layer sliding windows and r
 
 It works on a flat batch (all new tokens of all sequences concatenated) and attends over the paged KV
 cache through an AttentionBackend. q/k/v and gate/up projections are fused at load time so each layer
-runs three big matmuls instead of seven. The plain Llama-style decoder (`ModelConfig.plain_decoder`) also
-runs its decode steps through the fused C++ DecodeStack; the others run their layers op by op (with the
-C++ norms, rotary and KV write where they apply).
+runs three big matmuls instead of seven. Decode steps of the decoders `ModelConfig.stack_decoder` names (all but
+Phi-3's partial rotary and Gemma 2's soft-capped scores) run through the fused C++ DecodeStack; other steps run
+their layers op by op (with the C++ norms, rotary and KV write where they apply). With the C++ kernels every norm
+rounds as its family's reference does in bf16: Gemma's once after the weight, the others' before it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Attention(nn.Module):
         # Gemma 3's sliding layers rotate with their own base; every other layer with the model's.
         self.rope_key = "local" if self.window is not None and cfg.rope_local_theta is not None else "global"
         self.full_rotary = cfg.rotary_dim == cfg.head_dim
+        self.norm_once = cfg.spec.gemma_norms  # the C++ norms' rounding (see the module docstring)
         if cfg.spec.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -61,7 +63,10 @@ class Attention(nn.Module):
     def forward(self, x, ropes, kv_cache, backend: AttentionBackend, meta: AttentionMetadata, kernels=None):
         qkv = self.qkv_proj(x)
         rope = ropes[self.rope_key]
-        if self.q_norm is not None:
+        if self.q_norm is not None and kernels is not None:
+            kernels.rms_norm_heads(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
+                                   self.q_norm.eps, self.norm_once)
+        elif self.q_norm is not None:
             # RMSNorm over each head of q and k (before the rotary), written back into qkv.
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
@@ -102,7 +107,7 @@ class MLP(nn.Module):
         if act is None:
             gate_up = self.gate_up_proj(x)
             if self.gelu:
-                act = gelu_tanh_and_mul(gate_up)
+                act = kernels.gelu_tanh_and_mul(gate_up) if kernels is not None else gelu_tanh_and_mul(gate_up)
             else:
                 act = kernels.silu_and_mul(gate_up) if kernels is not None else silu_and_mul(gate_up)
         out = self.down_proj(act)
@@ -117,6 +122,7 @@ class DecoderLayer(nn.Module):
         # Llama: the norm before the MLP. Gemma (sandwich norms): the norm of the attention's output.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich = cfg.spec.sandwich_norms
+        self.once = cfg.spec.gemma_norms  # the C++ norms' rounding (see the module docstring)
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -130,13 +136,13 @@ class DecoderLayer(nn.Module):
         if kernels is None:
             x = x + self.self_attn(self.input_layernorm(x), ropes, kv_cache, backend, meta)
             return x + self.mlp(self.post_attention_layernorm(x)), None
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        ln1, ln2, once = self.input_layernorm, self.post_attention_layernorm, self.once
         if residual is None:
-            residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps)
+            residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps, once)
         else:
-            kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
+            kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps, once)
         x = self.self_attn(x, ropes, kv_cache, backend, meta, kernels)
-        kernels.fused_add_rms_norm(x, residual, ln2.weight, ln2.eps)
+        kernels.fused_add_rms_norm(x, residual, ln2.weight, ln2.eps, once)
         return self.mlp(x, kernels), residual
 
     def _forward_sandwich(self, x, residual, ropes, kv_cache, backend, meta, kernels):
@@ -146,15 +152,16 @@ class DecoderLayer(nn.Module):
         if kernels is None:
             x = x + post_attn(self.self_attn(ln1(x), ropes, kv_cache, backend, meta))
             return x + post_ffn(self.mlp(pre_ffn(x))), None
+        once = self.once
         if residual is None:
-            residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps)
+            residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps, once)
         else:
-            kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
+            kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps, once)
         x = self.self_attn(x, ropes, kv_cache, backend, meta, kernels)
-        x = kernels.rms_norm(x, post_attn.weight, post_attn.eps)
-        kernels.fused_add_rms_norm(x, residual, pre_ffn.weight, pre_ffn.eps)
+        x = kernels.rms_norm(x, post_attn.weight, post_attn.eps, once)
+        kernels.fused_add_rms_norm(x, residual, pre_ffn.weight, pre_ffn.eps, once)
         x = self.mlp(x, kernels)
-        return kernels.rms_norm(x, post_ffn.weight, post_ffn.eps), residual
+        return kernels.rms_norm(x, post_ffn.weight, post_ffn.eps, once), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,7 +178,6 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head_routes = MatmulRoutes()
         self.tied_head_routes.float32_out = True
         self.embed_quant: QuantPart | None = None  # the embedding as GGUF blocks read in place (then meta)
-        self._stackable = True  # every layer matmul can run in DecodeStack (setup_matmuls decides)
         self._stack_any_rows = False  # ... and for any number of sequences (every matmul on one route)
         self._windowed = cfg.has_sliding_window  # some layer attends through a window (read every step)
         self.embed_fixed: torch.Tensor | None = None  # the tied head's packed copy, when the plain one is released
@@ -225,8 +231,9 @@ class LlamaForCausalLM(nn.Module):
         if self._decode_stack_applies(backend, meta):
             # A few decoding sequences: every layer in one C++ call (same kernels, same order).
             stack = self._decode_stack(kv_caches, backend.row_invariant)
+            local = ropes.get("local", (None, None))
             x = stack.forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
-                              meta.seq_lens)
+                              meta.seq_lens, local[0], local[1])
         else:
             backend.prepare(meta)  # once per step, for every layer (the stack needs none of it)
             residual = None
@@ -236,7 +243,10 @@ class LlamaForCausalLM(nn.Module):
                 x = x + residual
         if logits_indices is not None:
             x = x[logits_indices]
-        x = self.norm(x) if kernels is None else kernels.rms_norm(x, self.norm.weight, self.norm.eps)
+        if kernels is None:
+            x = self.norm(x)
+        else:
+            x = kernels.rms_norm(x, self.norm.weight, self.norm.eps, cfg.spec.gemma_norms)
         head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
         weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
         logits = head(x, weight, None).float()  # float32 already on the CPU routes; .float() elsewhere
@@ -278,9 +288,8 @@ class LlamaForCausalLM(nn.Module):
             self.kernels is not None
             and self.tp is None  # a sharded layer all-reduces between its matmuls: op by op
             and self.kernels.decode_stack
-            and cfg.plain_decoder
+            and cfg.stack_decoder
             and not windows_apply  # the C++ decode kernels have no window
-            and self._stackable
             and 0 < meta.num_seqs
             and (meta.num_seqs <= DECODE_STACK_MAX_SEQS or self._stack_any_rows)
             and backend.runs_decode_kernel(meta)
@@ -295,17 +304,29 @@ class LlamaForCausalLM(nn.Module):
             def spec(m: Linear):
                 return m.routes.decode_spec(self.kernels, m.weight, m.bias)
 
-            layers = [
-                ext.DecodeLayer(
-                    layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                    spec(layer.self_attn.qkv_proj), spec(layer.self_attn.o_proj),
-                    spec(layer.mlp.gate_up_proj), spec(layer.mlp.down_proj), k, v,
+            def layer_spec(layer: DecoderLayer, k: torch.Tensor, v: torch.Tensor):
+                attn, mlp = layer.self_attn, layer.mlp
+                # ln2 is the norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm
+                # (Gemma's post_attention_layernorm normalises the attention's output: attn_out_norm).
+                sandwich = {}
+                if layer.sandwich:
+                    sandwich = {"attn_out_norm": layer.post_attention_layernorm.weight,
+                                "mlp_out_norm": layer.post_feedforward_layernorm.weight}
+                    ln2 = layer.pre_feedforward_layernorm.weight
+                else:
+                    ln2 = layer.post_attention_layernorm.weight
+                qk = {} if attn.q_norm is None else {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
+                return ext.DecodeLayer(
+                    layer.input_layernorm.weight, ln2, spec(attn.qkv_proj), spec(attn.o_proj),
+                    spec(mlp.gate_up_proj), spec(mlp.down_proj), k, v, **qk, **sandwich,
+                    local_rope=attn.rope_key == "local",
                 )
-                for layer, (k, v) in zip(self.layers, kv_caches, strict=True)
-            ]
+
+            layers = [layer_spec(layer, k, v) for layer, (k, v) in zip(self.layers, kv_caches, strict=True)]
             cfg = self.config
             stack = ext.DecodeStack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps,
-                                    self.layers[0].self_attn.scale, strict_attention)
+                                    self.layers[0].self_attn.scale, strict_attention,
+                                    gelu=self.layers[0].mlp.gelu, norm_once=cfg.spec.gemma_norms)
             self._stack = (kv_caches, stack, strict_attention)
         return self._stack[1]
 
@@ -351,8 +372,7 @@ class LlamaForCausalLM(nn.Module):
         for routes, weight, qweight, head in matmuls:
             routes.setup(weight, kernels, pack=pack, batch_hint=batch_hint, qweight=qweight, float32_out=head,
                          batch_invariant=batch_invariant)
-        self._stackable = all(r.stackable for r, _, _, head in matmuls if not head)
-        self._stack_any_rows = all(r.one_route for r, _, _, head in matmuls if not head)  # one_route: stackable too
+        self._stack_any_rows = all(r.one_route for r, _, _, head in matmuls if not head)
         self._stack = None
         if release_plain:
             self._release_plain_weights()

@@ -311,28 +311,26 @@ class MatmulRoutes:
         return self.kernels.quant_linear_bf16_silu(x, p.packed, p.type_id, p.n)
 
     @property
-    def stackable(self) -> bool:
-        """DecodeStack can run this matmul (one kernel call: not a quantized weight of several parts)."""
-        return self.quant is None or len(self.quant) == 1
-
-    @property
     def one_route(self) -> bool:
         """This matmul runs one C++ route at every row count (the GGUF blocks' or the fixed-order route), so
         DecodeStack computes what the layer-by-layer path does for any number of rows, not only a few."""
-        return (self.stackable and self.few_rows == self.many_rows
-                and self.few_rows in (Route.QUANT, Route.QUANT_BF16, Route.FIXED))
+        return self.few_rows == self.many_rows and self.few_rows in (Route.QUANT, Route.QUANT_BF16, Route.FIXED)
 
     def decode_spec(self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None):
         """This matmul's few-rows route as DecodeStack's MatmulSpec (PACKED runs as LINEAR there: the
-        packed matmul gives F.linear's numbers)."""
+        packed matmul gives F.linear's numbers). A quantized weight of several parts (block types) is one spec
+        whose `more` holds the later parts, concatenated in C++ as `_quant` concatenates them."""
         if self.float32_out:
             raise ValueError("decode_spec: a float32-out matmul (the LM head) is not part of DecodeStack")
         route = Route.LINEAR if self.few_rows == Route.PACKED else self.few_rows
         if route in (Route.QUANT, Route.QUANT_BF16):
-            if not self.stackable:
-                raise ValueError("decode_spec: a quantized matmul of several block types is not part of DecodeStack")
-            p = self.quant[0]
-            return kernels.ext.MatmulSpec(int(route), weight, bias, list(p.packed), p.type_id)
+            specs, start = [], 0
+            for p in self.quant:
+                b = bias if bias is None or len(self.quant) == 1 else bias[start : start + p.n].contiguous()
+                specs.append((int(route), None, b, list(p.packed), p.type_id, p.n))
+                start += p.n
+            rest = [kernels.ext.MatmulSpec(*spec) for spec in specs[1:]]
+            return kernels.ext.MatmulSpec(*specs[0], more=rest)
         if route == Route.FIXED:
             return kernels.ext.MatmulSpec(int(route), weight, bias, [self.fixed], 0)
         q = self.qgemv.tensors() if self.qgemv is not None else []

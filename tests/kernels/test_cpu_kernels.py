@@ -1,5 +1,6 @@
 """pagedserve's C++ CPU kernels (pagedserve/kernels/csrc) against plain PyTorch written as the reference model
-(HF transformers' Llama) computes: RMSNorm, residual add + RMSNorm, rotary + K/V cache write, SwiGLU and
+(HF transformers' Llama, and Gemma's norms and GeGLU) computes: RMSNorm (both roundings, per head too), residual
+add + RMSNorm, rotary + K/V cache write, SwiGLU, GeGLU and
 paged decode attention (rows named by index, strided queries, GQA groups wider than one task's 8 heads,
 head sizes that are not multiples of 64). The portable (AVX2) build is checked the same way."""
 
@@ -57,6 +58,67 @@ def test_rms_norm_and_fused_add(kernels, dtype, rows):
     kernels.fused_add_rms_norm(x, res, w, 1e-5)  # in place
     assert torch.equal(res, expect_res)
     assert close(x, expect_x, dtype)
+
+
+def ref_rms_norm_once(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (transformers' Gemma3RMSNorm with the stored 1 + w): float32 all the way, rounded once."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rms_norm_rounds_once_where_asked(kernels, dtype):
+    """once=True is Gemma's formula, once=False Llama's, in the plain, the fused and the per-head norms; in bf16 the
+    two differ in about a quarter of the elements, and each kernel agrees with its own formula on all but the rare
+    float32 ties of a different summation order."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(40, 256, generator=g) * 3).to(dtype)
+    w = (torch.rand(256, generator=g) * 2 + 0.3).to(dtype)
+    once, llama = ref_rms_norm_once(x, w, 1e-6), ref_rms_norm(x, w, 1e-6)
+    got_once, got_llama = kernels.rms_norm(x, w, 1e-6, True), kernels.rms_norm(x, w, 1e-6, False)
+    assert close(got_once, once, dtype) and close(got_llama, llama, dtype)
+    if dtype == torch.bfloat16:
+        assert (once != llama).float().mean() > 0.1  # the two formulas are told apart here
+        assert (got_once != once).float().mean() < 0.01
+        assert (got_llama != llama).float().mean() < 0.01
+    else:
+        assert torch.equal(got_once, got_llama)  # float32: nothing to round
+    res = torch.randn(40, 256, generator=g).to(dtype)
+    xc, rc = x.clone(), res.clone()
+    kernels.fused_add_rms_norm(xc, rc, w, 1e-6, True)
+    assert torch.equal(rc, x + res) and close(xc, ref_rms_norm_once(x + res, w, 1e-6), dtype)
+    # Per head inside qkv rows: q heads with q_w, k heads with k_w, v untouched.
+    T, H, KVH, D = 7, 4, 2, 64
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    qw, kw = (torch.rand(D, generator=g) + 0.5).to(dtype), (torch.rand(D, generator=g) + 0.5).to(dtype)
+    for flag in (True, False):
+        out = qkv.clone()
+        kernels.rms_norm_heads(out, qw, kw, H, KVH, 1e-6, flag)
+        q, k, v = out.split([H * D, KVH * D, KVH * D], dim=-1)
+        q0, k0, v0 = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        ref = ref_rms_norm_once if flag else ref_rms_norm
+        assert close(q.reshape(-1, D), ref(q0.reshape(-1, D), qw, 1e-6), dtype)
+        assert close(k.reshape(-1, D), ref(k0.reshape(-1, D), kw, 1e-6), dtype)
+        if dtype == torch.bfloat16:
+            assert (q.reshape(-1, D) != ref(q0.reshape(-1, D), qw, 1e-6)).float().mean() < 0.01
+        assert torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_gelu_tanh_and_mul(kernels, dtype):
+    """GeGLU: F.gelu(gate, approximate="tanh") (rounded to the dtype) * up, finite far out on both sides."""
+    g = torch.Generator().manual_seed(2)
+    gu = (torch.randn(9, 2 * 150, generator=g) * 4).to(dtype)
+    gu[0, 0], gu[0, 1] = -200.0, 200.0
+    out = kernels.gelu_tanh_and_mul(gu)
+    ref = (F.gelu(gu[:, :150].float(), approximate="tanh").to(dtype) * gu[:, 150:]).to(dtype)
+    assert out.shape == (9, 150) and close(out, ref, dtype) and torch.isfinite(out).all()
+    if dtype == torch.bfloat16:  # the same bf16 values but for rare ties of the float32 arithmetic ...
+        body = gu[:, :150] > -3
+        assert (out != ref)[body].float().mean() < 0.01
+        # ... except far out on the negative side, where torch's 0.5 x (1 + tanh(y)) cancels (to 0 from x < -5)
+        # and x / (1 + e^(-2 y)) keeps the tiny value: apart by at most 1e-4 there.
+        assert (out.float() - ref.float())[~body].abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)

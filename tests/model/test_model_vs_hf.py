@@ -122,9 +122,11 @@ def _hf_config(arch: str):
     if arch == "gemma2":  # caps that bite at these scales; a window shorter than the test sequences
         return Gemma2Config(**common, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
                             attn_logit_softcapping=1.5, final_logit_softcapping=4.0, pad_token_id=0)
-    if arch == "gemma3":  # a sliding layer (base 10000) and a global one (base 1e6), QK-norm
-        return Gemma3TextConfig(**common, head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
-                                layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
+    if arch in ("gemma3", "gemma3-long"):  # a sliding layer (base 10000) and a global one (base 1e6), QK-norm
+        # gemma3-long: a window longer than the test sequences, so decode steps run in DecodeStack
+        return Gemma3TextConfig(**common, head_dim=16, sliding_window=6 if arch == "gemma3" else 64,
+                                query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention"],
+                                pad_token_id=0)
     raise AssertionError(arch)
 
 
@@ -348,7 +350,7 @@ def test_bundled_greedy_matches_transformers(llm_fp32, hf_bundled_parsed_once):
             assert expected[-1] in (hf.generation_config.eos_token_id, tok.eos_token_id)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3", "gemma3-long"])
 def test_bf16_fast_path_is_as_close_to_float32_as_transformers_bf16(arch, tmp_path):
     """bf16 cannot match float32 exactly; the fast path (packed oneDNN weights where the CPU has native
     bf16, the fused kernels, the decode kernel) must stay as close to the float32 reference as
@@ -361,7 +363,11 @@ def test_bf16_fast_path_is_as_close_to_float32_as_transformers_bf16(arch, tmp_pa
     lm = load_model(str(tmp_path), "bfloat16")
     lm.model.setup_matmuls(None, pack=True, batch_hint=8)
     prompts = _prompts((9, 14, 4), seed=7)
+    # Gemma holds its norms' weights as 1 + w in bf16 (transformers holds w in bf16 and adds 1 in float32), so a single
+    # step of either path may stray further than transformers' bf16 one: there the run's worst errors are compared.
+    per_step = not arch.startswith("gemma")
     for backend in ("torch_ref", "fused"):
+        worst = (0.0, 0.0)
         run = PagedSequences(lm, backend, len(prompts), dtype=torch.bfloat16, seed=8)
         seqs = [list(p) for p in prompts]
         logits = run.step(prompts)
@@ -373,18 +379,24 @@ def test_bf16_fast_path_is_as_close_to_float32_as_transformers_bf16(arch, tmp_pa
                 ours = logits[i]
                 err_ours = (ours - exact).abs().max().item()
                 err_theirs = (theirs - exact).abs().max().item()
-                assert err_ours <= 2 * err_theirs + 0.005, (backend, step, i, err_ours, err_theirs)
+                if per_step:
+                    assert err_ours <= 2 * err_theirs + 0.005, (backend, step, i, err_ours, err_theirs)
+                worst = max(worst[0], err_ours), max(worst[1], err_theirs)
             nxt = [int(_hf_logits(hf, s)[-1].argmax()) for s in seqs]
             for s, t in zip(seqs, nxt, strict=True):
                 s.append(t)
             logits = run.step([[t] for t in nxt])
+        assert worst[0] <= 2 * worst[1] + 0.005, (backend, worst)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_stack_equals_layer_by_layer_path(dtype, tmp_path):
+@pytest.mark.parametrize("arch", ["llama-bias", "qwen3", "gemma3-long"])
+def test_decode_stack_equals_layer_by_layer_path(arch, dtype, tmp_path):
     """Decode steps of a few sequences run every layer in one C++ call; the result must be what the
-    layer-by-layer fused path computes (bit for bit in float32: same kernels, same order)."""
-    hf = _build_hf("llama-bias")  # biases everywhere, so the stack's bias handling is checked too
+    layer-by-layer fused path computes (bit for bit in float32: same kernels, same order). llama-bias: biases
+    everywhere, so the stack's bias handling is checked too; qwen3: QK-norm; gemma3-long: QK-norm, the sandwich
+    norms rounded once, GeGLU, the sliding layer's own rotary base, the embedding scale."""
+    hf = _build_hf(arch)
     hf.save_pretrained(tmp_path)
     lm = load_model(str(tmp_path), dtype)
     kernels = CpuKernels.build()

@@ -19,10 +19,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the strict mode's attention: every query row over its own context, in an order fixed per row");
   m.def("paged_attention_rows_into", &pagedserve::paged_attention_rows_into,
         "paged_attention_rows over the rows q[rows], written into out's rows");
-  m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm of [T, H] rows");
-  m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
+  m.def("rms_norm", &pagedserve::rms_norm, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("once") = false,
+        "RMSNorm of [T, H] rows (once: Gemma's single rounding after the weight)");
+  m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("w"),
+        py::arg("eps"), py::arg("once") = false, "residual += x; x = rms_norm(residual), in place");
+  m.def("rms_norm_heads", &pagedserve::rms_norm_heads, py::arg("qkv"), py::arg("q_w"), py::arg("k_w"), py::arg("h"),
+        py::arg("kvh"), py::arg("eps"), py::arg("once"), "RMSNorm of each q and k head inside qkv rows, in place");
   m.def("rotary_write_kv", &pagedserve::rotary_write_kv, "rotary on q/k in place + K/V into the paged cache");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "SwiGLU: silu(gate) * up");
+  m.def("gelu_tanh_and_mul", &pagedserve::gelu_tanh_and_mul, "GeGLU: gelu_tanh(gate) * up");
   m.def("argmax_rows", &pagedserve::argmax_rows, "first argmax of each row (greedy sampling)");
   m.def("apply_token_bitmask", &pagedserve::apply_token_bitmask,
         "structured outputs: -inf on the logits whose bit is clear in a row's token bitmask, in place");

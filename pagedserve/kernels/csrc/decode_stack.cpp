@@ -6,8 +6,11 @@
 // interpreter and dispatch overhead than in work (with many sequences, a few percent of the step). DecodeStack
 // holds the layers' weights and caches once and runs the same kernels, in the same order, as the model's fused
 // Python path (so the two agree):
-//   norm (fused with the previous residual add) -> qkv matmul -> rotary + K/V write -> paged decode
-//   attention -> o matmul -> residual add + norm -> gate_up matmul -> SwiGLU -> down matmul.
+//   norm (fused with the previous residual add) -> qkv matmul -> [QK-norm] -> rotary + K/V write -> paged decode
+//   attention -> o matmul -> [norm] -> residual add + norm -> gate_up matmul -> SwiGLU | GeGLU -> down matmul
+//   -> [norm]
+// The bracketed steps are Qwen3's (QK-norm) and Gemma 3's (QK-norm and the sandwich norms after attention and
+// after the MLP; GeGLU; its sliding layers' own rotary table; every norm rounded once, `norm_once`).
 // Each matmul runs the route Python chose for it at load (pagedserve/model/matmul.py); nothing is
 // decided here.
 #include <algorithm>
@@ -34,10 +37,22 @@ struct MatmulSpec {
   std::vector<torch::Tensor> q;
   int64_t qtype;
   int64_t n = -1;  // output columns; -1: weight.size(0)
+  // Further quantized parts of the same matmul (a fused weight whose parts have different block types, as Gemma 3's
+  // q/k Q5_0 beside v Q8_0): their outputs follow this one's columns, as the model's Python path concatenates them.
+  std::vector<MatmulSpec> more = {};
 
   int64_t out_features() const { return n >= 0 ? n : (weight.defined() && weight.dim() == 2 ? weight.size(0) : -1); }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (!more.empty()) {
+      std::vector<torch::Tensor> outs{one(x)};
+      for (const auto& m : more) outs.push_back(m(x));
+      return torch::cat(outs, 1);
+    }
+    return one(x);
+  }
+
+  torch::Tensor one(const torch::Tensor& x) const {
     switch (route) {
       case kGgufR16:
         return gemv_gguf_r16(x, q[0], q[1], q[2].numel() ? c10::optional<torch::Tensor>(q[2]) : c10::nullopt,
@@ -55,29 +70,45 @@ struct MatmulSpec {
   // same bits as the two ops, as the model's MLP takes it), else the matmul then silu_and_mul.
   torch::Tensor silu(const torch::Tensor& x) const {
     const int64_t n = out_features();
-    if (route == kQuantBf16 && !bias && x.scalar_type() == torch::kBFloat16 && n % 32 == 0)
+    if (route == kQuantBf16 && more.empty() && !bias && x.scalar_type() == torch::kBFloat16 && n % 32 == 0)
       return quant_linear_bf16_silu(x, q, qtype, n, x.size(1));
     return silu_and_mul((*this)(x));
   }
 };
 
-// One decoder layer: its two norms' weights, its four matmuls and its slice of the paged KV cache.
+// One decoder layer: its two norms' weights (ln2: the norm before the MLP), its four matmuls and its slice of the
+// paged KV cache; optionally (undefined tensors where not) the norms of each q and k head (Qwen3, Gemma 3), of the
+// attention's and of the MLP's output (Gemma's sandwich norms), and whether the layer takes the second rotary
+// table (Gemma 3's sliding layers).
 struct DecodeLayer {
   torch::Tensor ln1, ln2;
   MatmulSpec qkv, o, gate_up, down;
   torch::Tensor k_cache, v_cache;
+  torch::Tensor q_norm = {}, k_norm = {}, attn_out_norm = {}, mlp_out_norm = {};
+  bool local_rope = false;
 };
 
 class DecodeStack {
  public:
   // strict_attention: the strict mode's attention (paged_attention_rows), as the model's backend runs it.
+  // gelu: GeGLU (gelu_tanh_and_mul) instead of SwiGLU; norm_once: every norm rounds once after its weight (Gemma).
   DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-              bool strict_attention)
+              bool strict_attention, bool gelu, bool norm_once)
       : layers_(std::move(layers)), H_(num_heads), KVH_(num_kv_heads), eps_(eps), scale_(scale),
-        strict_attention_(strict_attention) {
+        strict_attention_(strict_attention), gelu_(gelu), once_(norm_once) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     for (const auto& l : layers_) {
-      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      std::vector<const MatmulSpec*> specs{&l.qkv, &l.o, &l.gate_up, &l.down};
+      for (const MatmulSpec* top : {&l.qkv, &l.gate_up})
+        for (const auto& m : top->more) {
+          TORCH_CHECK(m.more.empty() && (m.route == kQuant || m.route == kQuantBf16) && m.route == top->route,
+                      "DecodeStack: further parts of a matmul must be quantized parts of its route");
+          specs.push_back(&m);
+        }
+      TORCH_CHECK(l.o.more.empty() && l.down.more.empty(), "DecodeStack: o and down are single matmuls");
+      TORCH_CHECK(l.q_norm.defined() == l.k_norm.defined() && l.attn_out_norm.defined() == l.mlp_out_norm.defined(),
+                  "DecodeStack: q_norm / k_norm and attn_out_norm / mlp_out_norm come in pairs");
+      for (const MatmulSpec* m : specs) {
         const bool quant = m->route == kQuant || m->route == kQuantBf16;
         const size_t need = m->route == kGgufR16 ? 3 : ((m->route == kGgufRows || m->route == kFixed || quant) ? 1 : 0);
         const bool known = (m->route >= kLinear && m->route <= kGgufR16) || m->route == kFixed || quant;
@@ -93,20 +124,28 @@ class DecodeStack {
     }
   }
 
-  // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32;
-  // slot_mapping [B]; block_tables [B, W]; seq_lens [B]. Returns the last layer's output + residual.
+  // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32 (cos_local /
+  // sin_local: the local_rope layers' table); slot_mapping [B]; block_tables [B, W]; seq_lens [B]. Returns the last
+  // layer's output + residual.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                        torch::Tensor block_tables, torch::Tensor seq_lens) {
+                        torch::Tensor block_tables, torch::Tensor seq_lens, c10::optional<torch::Tensor> cos_local,
+                        c10::optional<torch::Tensor> sin_local) {
     const int64_t B = x.size(0), D = layers_[0].k_cache.size(3), q_size = H_ * D;
     static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
     const torch::Tensor qsl = strict_attention_ ? torch::arange(B + 1, torch::kInt64) : no_rows;
     torch::Tensor residual = x;
-    torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_);
+    torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_, once_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecodeLayer& l = layers_[i];
-      if (i > 0) fused_add_rms_norm(h, residual, l.ln1, eps_);
+      if (i > 0) fused_add_rms_norm(h, residual, l.ln1, eps_, once_);
       torch::Tensor qkv = l.qkv(h);
-      rotary_write_kv(qkv, cos, sin, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
+      if (l.q_norm.defined()) rms_norm_heads(qkv, l.q_norm, l.k_norm, H_, KVH_, eps_, once_);
+      TORCH_CHECK(!l.local_rope || (cos_local && sin_local), "DecodeStack: a local_rope layer needs cos_local/sin_local");
+      if (l.local_rope) {
+        rotary_write_kv(qkv, *cos_local, *sin_local, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
+      } else {
+        rotary_write_kv(qkv, cos, sin, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
+      }
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D});
       torch::Tensor attn;
       if (strict_attention_) {
@@ -116,8 +155,10 @@ class DecodeStack {
         paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_);
       }
       h = l.o(attn.view({B, q_size}));
-      fused_add_rms_norm(h, residual, l.ln2, eps_);
-      h = l.down(l.gate_up.silu(h));
+      if (l.attn_out_norm.defined()) h = rms_norm(h, l.attn_out_norm, eps_, once_);
+      fused_add_rms_norm(h, residual, l.ln2, eps_, once_);
+      h = l.down(gelu_ ? gelu_tanh_and_mul(l.gate_up(h)) : l.gate_up.silu(h));
+      if (l.mlp_out_norm.defined()) h = rms_norm(h, l.mlp_out_norm, eps_, once_);
     }
     return h + residual;
   }
@@ -126,7 +167,7 @@ class DecodeStack {
   std::vector<DecodeLayer> layers_;
   int64_t H_, KVH_;
   double eps_, scale_;
-  bool strict_attention_;
+  bool strict_attention_, gelu_, once_;
 };
 
 void bind_decode_stack(pybind11::module& m) {
@@ -135,20 +176,33 @@ void bind_decode_stack(pybind11::module& m) {
   // weight may be None (the quantized route keeps no dense weight); n: output columns, needed then.
   py::class_<MatmulSpec>(m, "MatmulSpec", py::module_local())
       .def(py::init([](int64_t route, c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> bias,
-                       std::vector<torch::Tensor> q, int64_t qtype, int64_t n) {
-             return MatmulSpec{route, weight.value_or(torch::Tensor()), std::move(bias), std::move(q), qtype, n};
+                       std::vector<torch::Tensor> q, int64_t qtype, int64_t n, std::vector<MatmulSpec> more) {
+             return MatmulSpec{route, weight.value_or(torch::Tensor()), std::move(bias), std::move(q), qtype, n,
+                               std::move(more)};
            }),
-           py::arg("route"), py::arg("weight"), py::arg("bias"), py::arg("q"), py::arg("qtype"), py::arg("n") = -1);
+           py::arg("route"), py::arg("weight"), py::arg("bias"), py::arg("q"), py::arg("qtype"), py::arg("n") = -1,
+           py::arg("more") = std::vector<MatmulSpec>{});
   py::class_<DecodeLayer>(m, "DecodeLayer", py::module_local())
-      .def(py::init<torch::Tensor, torch::Tensor, MatmulSpec, MatmulSpec, MatmulSpec, MatmulSpec, torch::Tensor,
-                    torch::Tensor>(),
+      .def(py::init([](torch::Tensor ln1, torch::Tensor ln2, MatmulSpec qkv, MatmulSpec o, MatmulSpec gate_up,
+                       MatmulSpec down, torch::Tensor k_cache, torch::Tensor v_cache,
+                       c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                       c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
+                       bool local_rope) {
+             return DecodeLayer{ln1, ln2, std::move(qkv), std::move(o), std::move(gate_up), std::move(down), k_cache,
+                                v_cache, q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor()),
+                                attn_out_norm.value_or(torch::Tensor()), mlp_out_norm.value_or(torch::Tensor()),
+                                local_rope};
+           }),
            py::arg("ln1"), py::arg("ln2"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-           py::arg("k_cache"), py::arg("v_cache"));
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("local_rope") = false);
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
-      .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double, bool>(), py::arg("layers"),
+      .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double, bool, bool, bool>(), py::arg("layers"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"),
-           py::arg("strict_attention") = false)
-      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
+           py::arg("strict_attention") = false, py::arg("gelu") = false, py::arg("norm_once") = false)
+      .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("cos_local") = py::none(),
+           py::arg("sin_local") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("matmul_routes", []() {
     return std::vector<std::pair<std::string, int64_t>>{
         {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16},

@@ -1,6 +1,7 @@
-// Fused elementwise work of a Llama decoder layer on the CPU, one pass over memory each:
-//   rms_norm, fused_add_rms_norm (residual add + norm, in place), rotary_write_kv (rotary on q and k in
-//   place + K/V scattered into the paged cache), silu_and_mul (SwiGLU).
+// Fused elementwise work of a decoder layer on the CPU, one pass over memory each:
+//   rms_norm, fused_add_rms_norm (residual add + norm, in place), rms_norm_heads (Qwen3's and Gemma 3's norms of
+//   each q and k head, in place), rotary_write_kv (rotary on q and k in place + K/V scattered into the paged
+//   cache), silu_and_mul (SwiGLU), gelu_tanh_and_mul (GeGLU).
 // Each reproduces the reference (HF transformers) rounding points in bf16: values are rounded to the
 // storage dtype wherever the reference materialises a bf16 tensor; arithmetic is float32.
 #include <ATen/Parallel.h>
@@ -18,8 +19,11 @@ namespace {
 // Rows per parallel task: enough work that waking the second thread pays off.
 inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
+// One row's RMSNorm into out (out may be x). Two roundings of the reference, in bf16 (identical in float32):
+//   Llama / Qwen / Mistral (once = false): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), rounded again;
+//   Gemma (once = true): (x * rsqrt(mean(x^2) + eps) * weight) in float32, rounded once.
 template <typename S>
-inline void norm_row(const S* x, const S* w, S* out, int64_t H, float eps) {
+inline void norm_row(const S* x, const S* w, S* out, int64_t H, float eps, bool once) {
 #ifdef PAGEDSERVE_AVX512BW
   if constexpr (std::is_same_v<S, uint16_t>) {  // bf16: 16 lanes at a time (the sum of squares in one fixed order)
     const int64_t H16 = H / 16 * 16;
@@ -35,9 +39,9 @@ inline void norm_row(const S* x, const S* w, S* out, int64_t H, float eps) {
     }
     const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(H) + eps);
     const __m512 rv = _mm512_set1_ps(r);
-    for (int64_t i = 0; i < H16; i += 16)  // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
-      store16(out + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(x + i), rv))));
-    if (tail) store16(out + H16, _mm512_mul_ps(load16(w + H16, tail), round16(_mm512_mul_ps(load16(x + H16, tail), rv))), tail);
+    auto normed = [&](__m512 xv) { return once ? _mm512_mul_ps(xv, rv) : round16(_mm512_mul_ps(xv, rv)); };
+    for (int64_t i = 0; i < H16; i += 16) store16(out + i, _mm512_mul_ps(normed(load16(x + i)), load16(w + i)));
+    if (tail) store16(out + H16, _mm512_mul_ps(normed(load16(x + H16, tail)), load16(w + H16, tail)), tail);
     return;
   }
 #endif
@@ -48,10 +52,12 @@ inline void norm_row(const S* x, const S* w, S* out, int64_t H, float eps) {
     ss += v * v;
   }
   const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  if (once) {
 #pragma omp simd
-  for (int64_t i = 0; i < H; ++i) {
-    // HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
-    out[i] = Elem<S>::store(Elem<S>::load(w[i]) * round_to<S>(Elem<S>::load(x[i]) * r));
+    for (int64_t i = 0; i < H; ++i) out[i] = Elem<S>::store(Elem<S>::load(x[i]) * r * Elem<S>::load(w[i]));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) out[i] = Elem<S>::store(round_to<S>(Elem<S>::load(x[i]) * r) * Elem<S>::load(w[i]));
   }
 }
 
@@ -63,7 +69,7 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool once) {
   check_rows(x, w, "rms_norm");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0);
@@ -72,14 +78,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     const S* wp = ptr<S>(w);
     S* op = ptr<S>(out);
     at::parallel_for(0, T, grain_rows(H), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) norm_row<S>(xp + t * xs, wp, op + t * H, H, static_cast<float>(eps));
+      for (int64_t t = b; t < e; ++t) norm_row<S>(xp + t * xs, wp, op + t * H, H, static_cast<float>(eps), once);
     });
   });
   return out;
 }
 
 // residual <- x + residual (rounded to the dtype), x <- rms_norm(residual) * w. Both in place.
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps, bool once) {
   check_rows(x, w, "fused_add_rms_norm");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
                   residual.scalar_type() == x.scalar_type(),
@@ -101,7 +107,33 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 #endif
 #pragma omp simd
         for (int64_t i = i0; i < H; ++i) rr[i] = Elem<S>::store(Elem<S>::load(xr[i]) + Elem<S>::load(rr[i]));
-        norm_row<S>(rr, wp, xr, H, static_cast<float>(eps));
+        norm_row<S>(rr, wp, xr, H, static_cast<float>(eps), once);
+      }
+    });
+  });
+}
+
+// qkv: [T, (H + 2 * KVH) * D], contiguous rows: each of the H q heads normalised with q_w [D], each of the KVH k heads
+// with k_w [D], in place (v untouched); `once` as in rms_norm.
+void rms_norm_heads(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k_w, int64_t H, int64_t KVH, double eps,
+                    bool once) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rms_norm_heads: qkv must be [T, width] with contiguous rows");
+  const int64_t T = qkv.size(0), D = q_w.numel();
+  TORCH_CHECK(q_w.dim() == 1 && k_w.dim() == 1 && k_w.numel() == D && q_w.is_contiguous() && k_w.is_contiguous() &&
+                  qkv.size(1) == (H + 2 * KVH) * D,
+              "rms_norm_heads: weights must be [D] and qkv [T, (H + 2 KVH) D]");
+  TORCH_CHECK(q_w.scalar_type() == qkv.scalar_type() && k_w.scalar_type() == qkv.scalar_type(),
+              "rms_norm_heads: weight dtype must match qkv");
+  const int64_t qs = qkv.stride(0);
+  dispatch_float_bf16(qkv, "rms_norm_heads", [&]<typename S>() {
+    S* base = ptr<S>(qkv);
+    const S* qw = ptr<S>(q_w);
+    const S* kw = ptr<S>(k_w);
+    at::parallel_for(0, T, grain_rows((H + KVH) * D), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        S* tok = base + t * qs;
+        for (int64_t h = 0; h < H + KVH; ++h)
+          norm_row<S>(tok + h * D, h < H ? qw : kw, tok + h * D, D, static_cast<float>(eps), once);
       }
     });
   });
@@ -185,6 +217,50 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
           const float x = Elem<S>::load(g[i]);
           // Clamped so exp stays finite (the kernels are built with -ffast-math): silu(x) ~ -0 there anyway.
           const float act = round_to<S>(x / (1.f + expf(std::min(-x, 80.f))));
+          o[i] = Elem<S>::store(act * Elem<S>::load(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// gate_up: [T, 2 * I] -> [T, I]: gelu(gate) (the tanh approximation, transformers' gelu_pytorch_tanh) rounded to the
+// dtype, times up, rounded (F.gelu(gate, approximate="tanh") * up in the dtype). 0.5 x (1 + tanh(y)) is computed as
+// x / (1 + e^(-2 y)), y = sqrt(2 / pi) (x + 0.044715 x^3): the same function, a few float32 ulp from torch's
+// (e^(-2 y) capped at e^80, as silu_and_mul's).
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gelu_tanh_and_mul: input must be [T, 2 * I] with contiguous rows");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  auto out = torch::empty({T, I}, gate_up.options());
+  constexpr float kBeta2 = -2.f * 0.7978845608028654f, kKappa = 0.044715f;
+  dispatch_float_bf16(gate_up, "gelu_tanh_and_mul", [&]<typename S>() {
+    const S* in = ptr<S>(gate_up);
+    S* op = ptr<S>(out);
+    at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const S* g = in + t * gs;
+        const S* u = g + I;
+        S* o = op + t * I;
+        int64_t i0 = 0;
+#ifdef PAGEDSERVE_AVX512
+        if constexpr (std::is_same_v<S, uint16_t>) {
+          for (; i0 + 16 <= I; i0 += 16) {
+            const __m512 x = load16(g + i0);
+            const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+            const __m512 m2y = _mm512_mul_ps(_mm512_set1_ps(kBeta2), _mm512_fmadd_ps(_mm512_set1_ps(kKappa), x3, x));
+            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_min_ps(m2y, _mm512_set1_ps(80.f))));
+            const __m512 act = round16(_mm512_div_ps(x, den));
+            store16(o + i0, _mm512_mul_ps(act, load16(u + i0)));
+          }
+        }
+#endif
+#pragma omp simd
+        for (int64_t i = i0; i < I; ++i) {
+          const float x = Elem<S>::load(g[i]);
+          const float m2y = kBeta2 * (kKappa * (x * x * x) + x);
+          const float act = round_to<S>(x / (1.f + expf(std::min(m2y, 80.f))));
           o[i] = Elem<S>::store(act * Elem<S>::load(u[i]));
         }
       }

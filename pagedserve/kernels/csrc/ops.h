@@ -12,11 +12,14 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
 void paged_attention_rows_into(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                                torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor rows,
                                torch::Tensor out, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool once = false);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps, bool once = false);
+void rms_norm_heads(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k_w, int64_t H, int64_t KVH, double eps,
+                    bool once);
 void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t H, int64_t KVH);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 bool has_bf16_gemv();
