@@ -205,6 +205,14 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
         assert yb.dtype == torch.bfloat16 and torch.equal(yb, full[:m].to(torch.bfloat16))
     nob = kernels.quant_linear_bf16(x[:5], packed, int(qtype), n, None, torch.float32)
     assert torch.allclose(nob + bias, full[:5], rtol=0, atol=1e-5 * float(scale))
+    # Unit rows read the widened weights out exactly (one non-zero product per sum): every k of every row, bit for
+    # bit, through the few-rows GEMV (1-4 rows) and the buffered tiles (all k rows at once).
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    expect = w.to(torch.bfloat16).float().t()
+    assert torch.equal(kernels.quant_linear_bf16(eye, packed, int(qtype), n, None, torch.float32), expect)
+    for k0 in range(0, k, 4):
+        got = kernels.quant_linear_bf16(eye[k0 : k0 + 4], packed, int(qtype), n, None, torch.float32)
+        assert torch.equal(got, expect[k0 : k0 + 4]), k0
 
 
 @needs_bf16

@@ -799,27 +799,65 @@ void gemv_bf16_panels(const uint16_t* x, int64_t xs, const uint8_t* panel, int64
   for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
 }
 
-// Q4_0, Q4_1, Q5_0 and Q8_0: the 16 k pairs of a 32-k sub-block of a packed block widened straight into pair
-// vectors with 512-bit ops (two bytes planes side by side -> interleaved -> float32 -> scale -> bf16), about
-// half the work of Widen + pair_bf16 and the same values: d * q (+ m) is exact up to its one rounding either
-// way (an fma rounds d * q + m once, as d * q, exact, then + m does), then the same nearest-even bf16.
+// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K: the 16 k pairs of a 32-k sub-block of a packed block widened straight into
+// pair vectors with 512-bit ops (two byte planes side by side -> interleaved -> float32 -> scale -> bf16), about
+// half the work of Widen + pair_bf16 and the same values: the scale times q is exact in float32 (an fp16 d, times
+// a 6-bit K-quant scale, times at most 6 bits of q), so d * q (+ m, - dmin * min) rounds once either way (an fma
+// rounds the exact product plus m once, as Widen's mul then add does), then the same nearest-even bf16.
 template <int64_t T>
 struct FastPairs {
-  static constexpr bool kOk = T == kQ4_0 || T == kQ4_1 || T == kQ8_0 || T == kQ5_0;
+  static constexpr bool kOk = T == kQ4_0 || T == kQ4_1 || T == kQ8_0 || T == kQ5_0 || T == kQ4_K || T == kQ6_K;
   const uint8_t* q;
-  const uint8_t* h;  // Q5_0: the high-bit planes
-  __m512 d0, d1, m0, m1;  // (d_r, d_r) for rows 0-7 and 8-15, and the mins
+  const uint8_t* h;       // Q5_0, Q6_K: the high-bit planes
+  __m512 d0, d1, m0, m1;  // (scale_r, scale_r) for rows 0-7 and 8-15, and the mins (Q6_K: the second scale)
+  __m128i sh, hs;         // Q4_K, Q6_K: the nibble shift; Q6_K: the high bits' shift
 
-  inline void init(const uint8_t* pb) {
-    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
-    d0 = _mm512_permutexvar_ps(lo, d);
-    d1 = _mm512_permutexvar_ps(hi, d);
+  // A 16-lane row vector -> (v_r, v_r) pairs for rows 0-7 and 8-15 (scales: times make's kUnit, exact).
+  static inline void pairs(__m512 v, __m512& lo, __m512& hi) {
+    const __m512i l = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    lo = _mm512_permutexvar_ps(l, v);
+    hi = _mm512_permutexvar_ps(_mm512_add_epi32(l, _mm512_set1_epi32(8)), v);
+  }
+  static inline __m512 halves16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+
+  // The 32-k sub-block at k0 of a panel.
+  inline void init(const uint8_t* panel, int64_t k0) {
+    constexpr QuantType t = quant_type(T);
+    const uint8_t* pb = panel + (k0 / t.block_size) * 16 * t.block_bytes;
+    const int s = static_cast<int>((k0 % t.block_size) / 32);
+    const __m512 d = halves16(pb);
+    if constexpr (T == kQ4_K) {  // d * scale and dmin * min of sub-block s (Widen's unpacking of the 6-bit fields)
+      const uint8_t* S = pb + 64;
+      __m128i sc, mn;
+      if (s < 4) {
+        sc = _mm_and_si128(ld(S + s * 16), bytes(0x3F));
+        mn = _mm_and_si128(ld(S + (s + 4) * 16), bytes(0x3F));
+      } else {
+        const __m128i hi4 = ld(S + (s + 4) * 16);
+        sc = _mm_or_si128(_mm_and_si128(hi4, bytes(0x0F)),
+                          _mm_and_si128(_mm_srli_epi16(ld(S + (s - 4) * 16), 2), bytes(0x30)));
+        mn = _mm_or_si128(nibble(hi4, 4), _mm_and_si128(_mm_srli_epi16(ld(S + s * 16), 2), bytes(0x30)));
+      }
+      pairs(_mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc))), _mm512_set1_ps(kUnit)), d0, d1);
+      pairs(_mm512_mul_ps(halves16(pb + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))), m0, m1);
+      q = pb + 256 + (s / 2) * 32 * 16;
+      sh = _mm_cvtsi32_si128(4 * (s & 1));
+      return;
+    } else if constexpr (T == kQ6_K) {  // k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
+      const __m512 du = _mm512_mul_ps(d, _mm512_set1_ps(kUnit));
+      pairs(_mm512_mul_ps(du, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld(pb + 32 + (2 * s) * 16)))), d0, d1);
+      pairs(_mm512_mul_ps(du, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld(pb + 32 + (2 * s + 1) * 16)))), m0, m1);
+      q = pb + 288 + ((s / 4) * 64 + (s % 2) * 32) * 16;
+      sh = _mm_cvtsi32_si128(4 * ((s / 2) % 2));
+      h = pb + 2336 + (s / 4) * 32 * 16;
+      hs = _mm_cvtsi32_si128(2 * (s % 4));
+      return;
+    }
+    pairs(_mm512_mul_ps(d, _mm512_set1_ps(kUnit)), d0, d1);
     if constexpr (T == kQ4_1) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
-      m0 = _mm512_permutexvar_ps(lo, m);
-      m1 = _mm512_permutexvar_ps(hi, m);
+      pairs(halves16(pb + 32), m0, m1);
       q = pb + 64;
     } else if constexpr (T == kQ5_0) {
       h = pb + 32;
@@ -829,41 +867,88 @@ struct FastPairs {
     }
   }
 
-  // 32 bytes [byte plane a (16 rows) | plane a + 1] -> pair vector of the two k's they hold.
-  inline __m512i make(__m256i ab) const {
+  // 32 bytes [byte plane a (16 rows) | plane a + 1] -> pair vector of the two k's they hold (second: Q6_K's pairs
+  // of k >= 16, which take the second scale).
+#if defined(__AVX512VBMI__)
+  // With VBMI one vpermb per 16 lanes moves byte (row r, k) and (r, k + 1) into the top byte of lanes 2 r, 2 r + 1
+  // (the other bytes zeroed): the int32 lane is q * 2^24 whatever q's sign, converted exactly, and the scales
+  // carry the 2^-24 (init: kUnit), so each product is d * q exactly as before, in two fewer shuffles.
+  static constexpr float kUnit = 1.f / 16777216.f;
+  static inline __m512i top_bytes_idx(int row0) {  // lane l: byte (l % 2) * 16 + row0 + l / 2 of the 32 bytes
+    return _mm512_set_epi32(
+        (16 + row0 + 7) << 24, (row0 + 7) << 24, (16 + row0 + 6) << 24, (row0 + 6) << 24, (16 + row0 + 5) << 24,
+        (row0 + 5) << 24, (16 + row0 + 4) << 24, (row0 + 4) << 24, (16 + row0 + 3) << 24, (row0 + 3) << 24,
+        (16 + row0 + 2) << 24, (row0 + 2) << 24, (16 + row0 + 1) << 24, (row0 + 1) << 24, (16 + row0) << 24,
+        row0 << 24);
+  }
+  inline __m512i make(__m256i ab, bool second = false) const {
+    constexpr __mmask64 top = 0x8888888888888888ull;
+    const __m512i v = _mm512_castsi256_si512(ab);
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, top_bytes_idx(0), v));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, top_bytes_idx(8), v));
+    __m512 f0, f1;
+    if constexpr (T == kQ4_K) {  // d * scale * q - dmin * min
+      f0 = _mm512_fmsub_ps(q0, d0, m0);
+      f1 = _mm512_fmsub_ps(q1, d1, m1);
+    } else if constexpr (T == kQ4_1) {  // d * q + m
+      f0 = _mm512_fmadd_ps(q0, d0, m0);
+      f1 = _mm512_fmadd_ps(q1, d1, m1);
+    } else {  // signed: q, q - 8, q - 16, q - 32 (get took the offsets)
+      f0 = _mm512_mul_ps(q0, second ? m0 : d0);
+      f1 = _mm512_mul_ps(q1, second ? m1 : d1);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+  }
+#else
+  static constexpr float kUnit = 1.f;
+  inline __m512i make(__m256i ab, bool second = false) const {
     const __m128i a = _mm256_castsi256_si128(ab), b = _mm256_extracti128_si256(ab, 1);
     const __m128i r0 = _mm_unpacklo_epi8(a, b), r1 = _mm_unpackhi_epi8(a, b);  // rows 0-7, 8-15: (k, k+1)
     __m512 f0, f1;
-    if constexpr (T == kQ8_0) {
+    if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ5_0) {  // signed: q, q - 8, q - 16 (get took the offsets)
       f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d0);
       f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d1);
-    } else if constexpr (T == kQ4_0 || T == kQ5_0) {  // d * (q - 8), d * (q - 16)
-      const __m128i off = _mm_set1_epi8(T == kQ4_0 ? 8 : 16);
-      f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(r0, off))), d0);
-      f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(r1, off))), d1);
-    } else {
+    } else if constexpr (T == kQ6_K) {  // signed q - 32 already
+      f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), second ? m0 : d0);
+      f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), second ? m1 : d1);
+    } else if constexpr (T == kQ4_K) {  // d * scale * q - dmin * min
+      f0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r0)), d0, m0);
+      f1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r1)), d1, m1);
+    } else {  // Q4_1: d * q + m
       f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r0)), d0, m0);
       f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r1)), d1, m1);
     }
     return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
   }
+#endif
+
+  static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
   // The pair vector of k = 2 j, 2 j + 1 (j < 16) of the sub-block.
   inline __m512i get(int j) const {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     if constexpr (T == kQ8_0) {
-      return make(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * j * 16)));
+      return make(load32(q + 2 * j * 16));
+    } else if constexpr (T == kQ4_K) {  // byte plane k of the sub-block pair, this sub-block's nibble
+      return make(_mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4));
+    } else if constexpr (T == kQ6_K) {  // low 4 bits from ql, bits 4-5 from qh, minus 32
+      const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4);
+      const __m256i hi = _mm256_slli_epi16(
+          _mm256_and_si256(_mm256_srl_epi16(load32(h + 2 * j * 16), hs), _mm256_set1_epi8(0x03)), 4);
+      return make(_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), j >= 8);
     } else {
       const int jj = j & 7;  // byte planes 2 jj, 2 jj + 1: low nibbles k = 2 jj.., high nibbles k = 16 + 2 jj..
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * jj * 16));
-      __m256i nib = j < 8 ? _mm256_and_si256(raw, _mm256_set1_epi8(0x0F))
-                          : _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
-      if constexpr (T == kQ5_0) {  // k = 2 j, 2 j + 1: bits s, s + 1 of qh byte plane k / 8, as bit 4
-        const __m128i hp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (j / 4) * 16));
-        const int s = (2 * j) % 8;
-        const __m128i one = _mm_set1_epi8(1);
-        const __m128i h0 = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(hp, _mm_cvtsi32_si128(s)), one), 4);
-        const __m128i h1 = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(hp, _mm_cvtsi32_si128(s + 1)), one), 4);
-        nib = _mm256_or_si256(nib, _mm256_set_m128i(h1, h0));
+      const __m256i raw = load32(q + 2 * jj * 16);
+      const __m256i nib = j < 8 ? _mm256_and_si256(raw, low4) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      if constexpr (T == kQ5_0) {
+        // q - 16 = nib where the high bit is set, else nib - 16. k = 2 j, 2 j + 1 take bits b, b + 1 (b = 2 j % 8)
+        // of qh byte plane j / 4: that plane in both halves, tested against those bits (one mask bit per byte).
+        const __m256i hp = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (j / 4) * 16)));
+        const int b = (2 * j) % 8;
+        const __m256i bit = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(2 << b)), _mm_set1_epi8(static_cast<char>(1 << b)));
+        return make(_mm256_mask_sub_epi8(nib, _mm256_testn_epi8_mask(hp, bit), nib, _mm256_set1_epi8(16)));
+      } else if constexpr (T == kQ4_0) {
+        return make(_mm256_sub_epi8(nib, _mm256_set1_epi8(8)));
       }
       return make(nib);
     }
@@ -876,7 +961,7 @@ inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out) {
   constexpr int64_t pbb = 16 * t.block_bytes;
   if constexpr (FastPairs<T>::kOk) {
     FastPairs<T> fp;
-    fp.init(panel + (k0 / 32) * pbb);
+    fp.init(panel, k0);
     PAGEDSERVE_UNROLL
     for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.get(j));
   } else {
@@ -899,15 +984,15 @@ inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out) {
 template <int64_t T, int R, int P>
 void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
   constexpr QuantType t = quant_type(T);
-  constexpr int64_t pbb = 16 * t.block_bytes;
+  constexpr int64_t step_bytes = 16 * t.block_bytes * 32 / t.block_size;  // a panel's bytes per 32 k
   __m512 c[R * P];
   PAGEDSERVE_UNROLL
   for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     FastPairs<T> fp[P];
     PAGEDSERVE_UNROLL
-    for (int p = 0; p < P; ++p) fp[p].init(panel + p * pstride + (k0 / 32) * pbb);
-    prefetch_stream(panel, (k0 / 32) * P * pbb, P * pbb);
+    for (int p = 0; p < P; ++p) fp[p].init(panel + p * pstride, k0);
+    prefetch_stream(panel, (k0 / 32) * P * step_bytes, P * step_bytes);
     PAGEDSERVE_UNROLL
     for (int j = 0; j < 16; ++j) {
       __m512bh a[R];
