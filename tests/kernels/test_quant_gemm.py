@@ -387,6 +387,72 @@ def test_decode_stack_quant_route_is_the_fixed_route_over_the_dequantized_weight
             assert out.dtype == dtype and torch.equal(out, ref), (b, how)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_decode_stack_matmul_of_several_block_types(kernels, dtype):
+    """A fused weight whose parts have different block types (Gemma 3's q/k Q5_0 beside v Q8_0) is one MatmulSpec
+    with the later parts in `more`: their outputs follow the first part's columns, each part with its slice of the
+    bias, the same bits as the fixed route over the whole dequantized weight (route 7, exact weights, as above).
+    The stack also takes a gate/up of two parts (no fused SwiGLU then), and the Gemma extras (QK-norm, sandwich
+    norms, GeGLU, a second rotary table)."""
+    ext = kernels.ext
+    g = torch.Generator().manual_seed(31)
+    route = 7
+    qkv_parts = [(Q.Q5_0, (H + KVH) * D), (Q.Q8_0, KVH * D)]
+    gate_up_parts = [(Q.Q4_K, INTER), (Q.Q6_K, INTER)]
+    raws = {}
+
+    def parts_spec(name, parts, k, bias, fixed: bool):
+        raw = [random_blocks(t, n, k, seed=200 + i + 10 * len(name)) for i, (t, n) in enumerate(parts)]
+        raws[name] = raw
+        if fixed:
+            w = torch.cat([dequantize(r, t) for r, (t, _) in zip(raw, parts, strict=True)])
+            return ext.MatmulSpec(5, w.to(dtype), bias, [kernels.fixed_pack(w)], 0)
+        specs, start = [], 0
+        for r, (t, n) in zip(raw, parts, strict=True):
+            b = None if bias is None else bias[start : start + n].contiguous()
+            specs.append((route, None, b, kernels.quant_pack(torch.from_numpy(r), int(t)), int(t), n))
+            start += n
+        return ext.MatmulSpec(*specs[0], more=[ext.MatmulSpec(*spec) for spec in specs[1:]])
+
+    bias = torch.randn((H + 2 * KVH) * D, generator=g).to(dtype)
+    norm = {name: (torch.rand(n, generator=g) + 0.5).to(dtype) for name, n in
+            (("ln1", HIDDEN), ("ln2", HIDDEN), ("q", D), ("k", D), ("attn_out", HIDDEN), ("mlp_out", HIDDEN))}
+    kc, vc = torch.randn(8, BS, KVH, D, generator=g).to(dtype), torch.randn(8, BS, KVH, D, generator=g).to(dtype)
+    o_raw, down_raw = random_blocks(Q.Q8_0, HIDDEN, H * D, seed=41), random_blocks(Q.Q4_0, HIDDEN, INTER, seed=42)
+
+    def single(raw, t, fixed: bool):
+        if fixed:
+            w = dequantize(raw, t)
+            return ext.MatmulSpec(5, w.to(dtype), None, [kernels.fixed_pack(w)], 0)
+        return ext.MatmulSpec(route, None, None, kernels.quant_pack(torch.from_numpy(raw), int(t)), int(t),
+                              n=raw.shape[0])
+
+    def stack(fixed: bool, gemma: bool):
+        extras = dict(q_norm=norm["q"], k_norm=norm["k"], attn_out_norm=norm["attn_out"],
+                      mlp_out_norm=norm["mlp_out"], local_rope=True) if gemma else {}
+        layer = ext.DecodeLayer(norm["ln1"], norm["ln2"], parts_spec("qkv", qkv_parts, HIDDEN, bias, fixed),
+                                single(o_raw, Q.Q8_0, fixed), parts_spec("gate_up", gate_up_parts, HIDDEN, None, fixed),
+                                single(down_raw, Q.Q4_0, fixed), kc.clone(), vc.clone(), **extras)
+        return ext.DecodeStack([layer], H, KVH, 1e-6, D**-0.5, False, gelu=gemma, norm_once=gemma)
+
+    seq_lens = torch.tensor([5, 17, 9])
+    block_tables = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    pos = seq_lens - 1
+    slots = block_tables[torch.arange(3), pos // BS] * BS + pos % BS
+    ang, ang_local = torch.rand(3, D // 2, generator=g) * 6, torch.rand(3, D // 2, generator=g) * 6
+    x = torch.randn(3, HIDDEN, generator=g).to(dtype)
+    args = (ang.cos(), ang.sin(), slots, block_tables, seq_lens)
+    for gemma in (False, True):
+        local = (ang_local.cos(), ang_local.sin()) if gemma else ()
+        ref = stack(True, gemma).forward(x.clone(), *args, *local)
+        out = stack(False, gemma).forward(x.clone(), *args, *local)
+        assert out.dtype == dtype and torch.equal(out, ref), gemma
+        if gemma:  # the second table is used: the first one in its place gives other numbers
+            assert not torch.equal(stack(False, True).forward(x.clone(), *args, *args[:2]), ref)
+            with pytest.raises(RuntimeError, match="cos_local"):
+                stack(False, True).forward(x.clone(), *args)
+
+
 def test_decode_stack_rejects_a_bad_quant_spec(kernels):
     ext = kernels.ext
     raw = torch.from_numpy(random_blocks(Q.Q8_0, 32, 64, seed=11))
