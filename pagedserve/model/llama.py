@@ -5,7 +5,7 @@ per layer, GeGLU, embedding scale, soft-capping, per-layer sliding windows and r
 It works on a flat batch (all new tokens of all sequences concatenated) and attends over the paged KV
 cache through an AttentionBackend. q/k/v and gate/up projections are fused at load time so each layer
 runs three big matmuls instead of seven. Decode steps of the decoders `ModelConfig.stack_decoder` names (all but
-Phi-3's partial rotary and Gemma 2's soft-capped scores) run through the fused C++ DecodeStack; other steps run
+partial rotary, Phi-4-mini's, and Gemma 2's soft-capped scores) run through the fused C++ DecodeStack; other steps run
 their layers op by op (with the C++ norms, rotary and KV write where they apply). With the C++ kernels every norm
 rounds as its family's reference does in bf16: Gemma's once after the weight, the others' before it.
 """
@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         # Llama: the norm before the MLP. Gemma (sandwich norms): the norm of the attention's output.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich = cfg.spec.sandwich_norms
-        self.once = cfg.spec.gemma_norms  # the C++ norms' rounding (see the module docstring)
+        self.norm_once = cfg.spec.gemma_norms  # the C++ norms' rounding (see the module docstring)
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -136,7 +136,7 @@ class DecoderLayer(nn.Module):
         if kernels is None:
             x = x + self.self_attn(self.input_layernorm(x), ropes, kv_cache, backend, meta)
             return x + self.mlp(self.post_attention_layernorm(x)), None
-        ln1, ln2, once = self.input_layernorm, self.post_attention_layernorm, self.once
+        ln1, ln2, once = self.input_layernorm, self.post_attention_layernorm, self.norm_once
         if residual is None:
             residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps, once)
         else:
@@ -152,7 +152,7 @@ class DecoderLayer(nn.Module):
         if kernels is None:
             x = x + post_attn(self.self_attn(ln1(x), ropes, kv_cache, backend, meta))
             return x + post_ffn(self.mlp(pre_ffn(x))), None
-        once = self.once
+        once = self.norm_once
         if residual is None:
             residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps, once)
         else:
@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head_routes = MatmulRoutes()
         self.tied_head_routes.float32_out = True
         self.embed_quant: QuantPart | None = None  # the embedding as GGUF blocks read in place (then meta)
-        self._stack_any_rows = False  # ... and for any number of sequences (every matmul on one route)
+        self._stack_any_rows = False  # DecodeStack for any number of sequences (every layer matmul on one route)
         self._windowed = cfg.has_sliding_window  # some layer attends through a window (read every step)
         self.embed_fixed: torch.Tensor | None = None  # the tied head's packed copy, when the plain one is released
         self._block_kernels: CpuKernels | None = None  # the kernels that packed the GGUF blocks read in place
