@@ -8,6 +8,7 @@ with tensor ops from per-request (start, length) pairs, not per token in Python.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -103,34 +104,33 @@ class ModelRunner:
                 seqs.extend((1, s.start_pos + j, s.block_table) for j in range(len(s.token_ids)))
             else:
                 seqs.append((len(s.token_ids), s.start_pos, s.block_table))
+        # Built as Python lists and turned into tensors once each: a decode step of a few sequences is a handful
+        # of numbers, and a dozen small tensor ops cost more than the lists (~0.45 vs ~0.1 ms per W2 step).
+        bs = self.block_size
         query_lens = [q for q, _, _ in seqs]
-        starts = [a for _, a, _ in seqs]
-        seq_lens = [a + b for a, b in zip(starts, query_lens, strict=True)]
-        num_tokens = sum(query_lens)
-        input_ids = torch.tensor([t for s in sched for t in s.token_ids], dtype=torch.long)
-        q_lens = torch.tensor(query_lens, dtype=torch.long)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        # position of token t of sequence i = start_i + (t - query_start_i)
-        offsets = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - query_start_loc[:-1], q_lens)
-        positions = torch.arange(num_tokens, dtype=torch.long) + offsets
+        seq_lens = [a + q for q, a, _ in seqs]
+        positions_l: list[int] = []
+        slots: list[int] = []
+        for q, a, table in seqs:
+            for p in range(a, a + q):
+                positions_l.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+        starts_l = [0, *itertools.accumulate(query_lens)]
         max_blocks = max(len(t) for _, _, t in seqs)
-        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for i, (_, _, table) in enumerate(seqs):
-            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        slot_mapping = block_tables[seq_index, positions // self.block_size] * self.block_size + (
-            positions % self.block_size
-        )
+        input_ids = torch.tensor([t for s in sched for t in s.token_ids], dtype=torch.long)
+        positions = torch.tensor(positions_l, dtype=torch.long)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        query_start_loc = torch.tensor(starts_l, dtype=torch.long)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, _, t in seqs], dtype=torch.long)
         if len(seqs) != len(sched):  # drafts: a request with k of them is scored at its last k + 1 positions
             rows, end = [], 0
             for s in sched:
                 end += len(s.token_ids)
                 if s.sample:
                     rows.extend(range(end - 1 - len(s.spec_token_ids), end))
-            logits_indices = torch.tensor(rows, dtype=torch.long)
         else:
-            logits_indices = query_start_loc[1:][self.sample_rows(out)] - 1
+            rows = [starts_l[i + 1] - 1 for i in self.sample_rows(out)]
+        logits_indices = torch.tensor(rows, dtype=torch.long)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
