@@ -238,6 +238,19 @@ inline __m128i bit4(__m128i v, int bit) {
   const __m128i m = bytes(1 << bit);
   return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, m), m), bytes(0x10));
 }
+// Q4_K/Q5_K's 6-bit scale and min of sub-block s for the 16 rows (k_scale_min on 16 lanes): S is the packed
+// block's 12 planar scale bytes.
+inline void k_scale_min16(const uint8_t* S, int s, __m128i& sc, __m128i& mn) {
+  if (s < 4) {
+    sc = _mm_and_si128(ld(S + s * 16), bytes(0x3F));
+    mn = _mm_and_si128(ld(S + (s + 4) * 16), bytes(0x3F));
+  } else {
+    const __m128i hi4 = ld(S + (s + 4) * 16);
+    sc = _mm_or_si128(_mm_and_si128(hi4, bytes(0x0F)),
+                      _mm_and_si128(_mm_srli_epi16(ld(S + (s - 4) * 16), 2), bytes(0x30)));
+    mn = _mm_or_si128(nibble(hi4, 4), _mm_and_si128(_mm_srli_epi16(ld(S + s * 16), 2), bytes(0x30)));
+  }
+}
 inline void put(float* o, __m256 a, __m256 b) {
   _mm256_storeu_ps(o, a);
   _mm256_storeu_ps(o + 8, b);
@@ -271,15 +284,7 @@ struct Widen {
       halves(pb + 32, m0, m1);
       const uint8_t* S = pb + 64;  // the 12 scale bytes, planar
       __m128i sc, mn;
-      if (s < 4) {
-        sc = _mm_and_si128(ld(S + s * 16), bytes(0x3F));
-        mn = _mm_and_si128(ld(S + (s + 4) * 16), bytes(0x3F));
-      } else {
-        const __m128i hi4 = ld(S + (s + 4) * 16);
-        sc = _mm_or_si128(_mm_and_si128(hi4, bytes(0x0F)),
-                          _mm_and_si128(_mm_srli_epi16(ld(S + (s - 4) * 16), 2), bytes(0x30)));
-        mn = _mm_or_si128(nibble(hi4, 4), _mm_and_si128(_mm_srli_epi16(ld(S + s * 16), 2), bytes(0x30)));
-      }
+      k_scale_min16(S, s, sc, mn);
       b0 = _mm256_mul_ps(m0, u8lo(mn));  // dmin * min
       b1 = _mm256_mul_ps(m1, u8hi(mn));
       a0 = _mm256_mul_ps(a0, u8lo(sc));  // d * scale
@@ -828,18 +833,9 @@ struct FastPairs {
     const uint8_t* pb = panel + (k0 / t.block_size) * 16 * t.block_bytes;
     const int s = static_cast<int>((k0 % t.block_size) / 32);
     const __m512 d = halves16(pb);
-    if constexpr (T == kQ4_K) {  // d * scale and dmin * min of sub-block s (Widen's unpacking of the 6-bit fields)
-      const uint8_t* S = pb + 64;
+    if constexpr (T == kQ4_K) {  // d * scale and dmin * min of sub-block s
       __m128i sc, mn;
-      if (s < 4) {
-        sc = _mm_and_si128(ld(S + s * 16), bytes(0x3F));
-        mn = _mm_and_si128(ld(S + (s + 4) * 16), bytes(0x3F));
-      } else {
-        const __m128i hi4 = ld(S + (s + 4) * 16);
-        sc = _mm_or_si128(_mm_and_si128(hi4, bytes(0x0F)),
-                          _mm_and_si128(_mm_srli_epi16(ld(S + (s - 4) * 16), 2), bytes(0x30)));
-        mn = _mm_or_si128(nibble(hi4, 4), _mm_and_si128(_mm_srli_epi16(ld(S + s * 16), 2), bytes(0x30)));
-      }
+      k_scale_min16(pb + 64, s, sc, mn);
       pairs(_mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc))), _mm512_set1_ps(kUnit)), d0, d1);
       pairs(_mm512_mul_ps(halves16(pb + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))), m0, m1);
       q = pb + 256 + (s / 2) * 32 * 16;
