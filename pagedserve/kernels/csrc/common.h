@@ -110,22 +110,31 @@ inline __m512 round16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(round_bf16_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// v as it is, opaque to the optimizer: -ffast-math lets GCC reassociate and contract float arithmetic written with
+// intrinsics, and how it does so depends on the code the function is inlined into. Two kernels that must give the
+// same bits through one inline function (silu_and_mul and the fused SwiGLU epilogue) pin each intermediate with this
+// (an empty asm that "changes" its register), so every inlining computes the written sequence of operations.
+inline __m512 pinned(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
 // e^x for 16 lanes: 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; a few ulp (x clamped below at -87: e^x is 0 to
-// float32 precision there), inline (the same code for every lane and row).
+// float32 precision there), inline (the same code for every lane and row; each step pinned, see pinned()).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  x = pinned(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)));
+  const __m512 n = pinned(_mm512_roundscale_ps(pinned(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f))),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m512 r = pinned(_mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  r = pinned(_mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r));
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+  p = pinned(_mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f)));
+  p = pinned(_mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f)));
+  p = pinned(_mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f)));
+  p = pinned(_mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f)));
+  p = pinned(_mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f)));
+  p = pinned(_mm512_fmadd_ps(p, pinned(_mm512_mul_ps(r, r)), pinned(_mm512_add_ps(r, _mm512_set1_ps(1.0f)))));
+  return pinned(_mm512_scalef_ps(p, n));
 }
 
 // 2^x for 16 lanes of finite x (no clamp: far below -126 the result is 0 or a denormal, never NaN; a lane that is
@@ -149,11 +158,11 @@ inline __m512 exp2_16(__m512 x) {
 // reciprocal (rcp14 and one Newton step: ~1 ulp of float32 before the bf16 rounding; a vdivps took ~half the
 // time), e^-g capped at e^80 (the kernels are built with -ffast-math: no inf; silu ~ -0 there anyway).
 inline __m512 silu_mul16(__m512 g, __m512 u) {
-  const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(80.f)));
-  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-  const __m512 r0 = _mm512_rcp14_ps(den);
-  const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.f)));
-  return _mm512_mul_ps(round16(_mm512_mul_ps(g, r)), u);
+  const __m512 e = exp16(pinned(_mm512_min_ps(pinned(_mm512_sub_ps(_mm512_setzero_ps(), g)), _mm512_set1_ps(80.f))));
+  const __m512 den = pinned(_mm512_add_ps(_mm512_set1_ps(1.f), e));
+  const __m512 r0 = pinned(_mm512_rcp14_ps(den));
+  const __m512 r = pinned(_mm512_mul_ps(r0, pinned(_mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.f)))));
+  return pinned(_mm512_mul_ps(round16(pinned(_mm512_mul_ps(g, r))), u));
 }
 #if defined(__AVX512BF16__)
 // acc + the pair dot products of w with the bf16 pair at `pair` broadcast to every lane: _mm512_dpbf16_ps(acc,

@@ -190,13 +190,17 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
   });
 }
 
-// gate_up: [T, 2 * I] -> [T, I]: silu(gate) * up, each rounded to the dtype as the reference does.
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
-              "silu_and_mul: input must be [T, 2 * I] with contiguous rows");
+namespace {
+// gate_up: [T, 2 * I] -> [T, I]: act(gate) rounded to the dtype, times up, rounded -- the body of silu_and_mul and
+// gelu_tanh_and_mul. vec(g, u): 16 bf16 lanes of the product before its rounding (AVX-512; nullptr: none); one(x): act
+// in float32, for the other lanes and dtypes.
+template <typename Vec, typename One>
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, const char* name, [[maybe_unused]] Vec vec, One one) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, name,
+              ": input must be [T, 2 * I] with contiguous rows");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
   auto out = torch::empty({T, I}, gate_up.options());
-  dispatch_float_bf16(gate_up, "silu_and_mul", [&]<typename S>() {
+  dispatch_float_bf16(gate_up, name, [&]<typename S>() {
     const S* in = ptr<S>(gate_up);
     S* op = ptr<S>(out);
     at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
@@ -206,17 +210,13 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
         S* o = op + t * I;
         int64_t i0 = 0;
 #ifdef PAGEDSERVE_AVX512
-        if constexpr (std::is_same_v<S, uint16_t>) {  // bf16: 16 lanes at a time (common.h's silu_mul16)
-          for (; i0 + 16 <= I; i0 += 16) {
-            store16(o + i0, silu_mul16(load16(g + i0), load16(u + i0)));
-          }
+        if constexpr (std::is_same_v<S, uint16_t> && !std::is_same_v<Vec, std::nullptr_t>) {
+          for (; i0 + 16 <= I; i0 += 16) store16(o + i0, vec(load16(g + i0), load16(u + i0)));
         }
 #endif
 #pragma omp simd
         for (int64_t i = i0; i < I; ++i) {
-          const float x = Elem<S>::load(g[i]);
-          // Clamped so exp stays finite (the kernels are built with -ffast-math): silu(x) ~ -0 there anyway.
-          const float act = round_to<S>(x / (1.f + expf(std::min(-x, 80.f))));
+          const float act = round_to<S>(one(Elem<S>::load(g[i])));
           o[i] = Elem<S>::store(act * Elem<S>::load(u[i]));
         }
       }
@@ -224,49 +224,41 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   });
   return out;
 }
+}  // namespace
+
+// gate_up: [T, 2 * I] -> [T, I]: silu(gate) * up, each rounded to the dtype as the reference does. In bf16 with
+// AVX-512, common.h's silu_mul16: the fused SwiGLU epilogue of quant_linear_bf16_silu runs the same function and must
+// give the same bits (its arithmetic is pinned, so inlining it here or there computes the same operations).
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+#ifdef PAGEDSERVE_AVX512
+  auto vec = [](__m512 g, __m512 u) { return silu_mul16(g, u); };
+#else
+  auto vec = nullptr;
+#endif
+  // Clamped so exp stays finite (the kernels are built with -ffast-math): silu(x) ~ -0 there anyway.
+  return act_and_mul(gate_up, "silu_and_mul", vec, [](float x) { return x / (1.f + expf(std::min(-x, 80.f))); });
+}
 
 // gate_up: [T, 2 * I] -> [T, I]: gelu(gate) (the tanh approximation, transformers' gelu_pytorch_tanh) rounded to the
 // dtype, times up, rounded (F.gelu(gate, approximate="tanh") * up in the dtype). 0.5 x (1 + tanh(y)) is computed as
 // x / (1 + e^(-2 y)), y = sqrt(2 / pi) (x + 0.044715 x^3): the same function, a few float32 ulp from torch's
 // (e^(-2 y) capped at e^80, as silu_and_mul's).
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
-              "gelu_tanh_and_mul: input must be [T, 2 * I] with contiguous rows");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
-  auto out = torch::empty({T, I}, gate_up.options());
   constexpr float kBeta2 = -2.f * 0.7978845608028654f, kKappa = 0.044715f;
-  dispatch_float_bf16(gate_up, "gelu_tanh_and_mul", [&]<typename S>() {
-    const S* in = ptr<S>(gate_up);
-    S* op = ptr<S>(out);
-    at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        const S* g = in + t * gs;
-        const S* u = g + I;
-        S* o = op + t * I;
-        int64_t i0 = 0;
 #ifdef PAGEDSERVE_AVX512
-        if constexpr (std::is_same_v<S, uint16_t>) {
-          for (; i0 + 16 <= I; i0 += 16) {
-            const __m512 x = load16(g + i0);
-            const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-            const __m512 m2y = _mm512_mul_ps(_mm512_set1_ps(kBeta2), _mm512_fmadd_ps(_mm512_set1_ps(kKappa), x3, x));
-            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_min_ps(m2y, _mm512_set1_ps(80.f))));
-            const __m512 act = round16(_mm512_div_ps(x, den));
-            store16(o + i0, _mm512_mul_ps(act, load16(u + i0)));
-          }
-        }
+  auto vec = [](__m512 x, __m512 u) {
+    const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 m2y = _mm512_mul_ps(_mm512_set1_ps(kBeta2), _mm512_fmadd_ps(_mm512_set1_ps(kKappa), x3, x));
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_min_ps(m2y, _mm512_set1_ps(80.f))));
+    return _mm512_mul_ps(round16(_mm512_div_ps(x, den)), u);
+  };
+#else
+  auto vec = nullptr;
 #endif
-#pragma omp simd
-        for (int64_t i = i0; i < I; ++i) {
-          const float x = Elem<S>::load(g[i]);
-          const float m2y = kBeta2 * (kKappa * (x * x * x) + x);
-          const float act = round_to<S>(x / (1.f + expf(std::min(m2y, 80.f))));
-          o[i] = Elem<S>::store(act * Elem<S>::load(u[i]));
-        }
-      }
-    });
+  return act_and_mul(gate_up, "gelu_tanh_and_mul", vec, [](float x) {
+    const float m2y = kBeta2 * (kKappa * (x * x * x) + x);
+    return x / (1.f + expf(std::min(m2y, 80.f)));
   });
-  return out;
 }
 
 }  // namespace pagedserve
