@@ -71,16 +71,15 @@ def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
 
 
 class BatchedGatherBackend(AttentionBackend):
-    """Decodes go to the C++ kernel that reads the paged cache in place, prefill chunks to the C++ row
-    kernel (when the kernels could be built, the layer's window cuts nothing and there is no soft-capping);
-    otherwise the gather + SDPA path."""
+    """Decodes go to the C++ kernel that reads the paged cache in place (with the layer's sliding window),
+    prefill chunks to the C++ row kernel (when the kernels could be built, the layer's window cuts nothing and
+    there is no soft-capping); otherwise the gather + SDPA path."""
 
     name = "batched"
 
     def runs_decode_kernel(self, meta: AttentionMetadata) -> bool:
         return (
             self.kernels is not None
-            and effective_window(meta, None) is None  # the kernel has no sliding window
             and meta.slot_mapping.device.type == "cpu"
             and all(q == 1 for q in meta.query_lens)
         )
@@ -90,10 +89,12 @@ class BatchedGatherBackend(AttentionBackend):
         prefills = [i for i, q in enumerate(meta.query_lens) if q > 1]
         meta.prepared["groups"] = [_build_group(meta, g) for g in (decodes, prefills) if g]
 
-    def _kernels_apply(self, meta: AttentionMetadata, window: int | None, softcap: float | None) -> bool:
-        """Both groups run the C++ kernels (they have no sliding window and no soft-capping)."""
+    def _kernels_apply(self, meta: AttentionMetadata, window: int | None, softcap: float | None,
+                       decode: bool) -> bool:
+        """A group runs the C++ kernels: no soft-capping, and for prefill rows no window that cuts (the decode
+        kernel takes the window, the row kernel none)."""
         on_cpu = self.kernels is not None and meta.slot_mapping.device.type == "cpu"
-        return on_cpu and window is None and softcap is None
+        return on_cpu and softcap is None and (decode or window is None)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None,
                 softcap=None) -> torch.Tensor:
@@ -105,14 +106,15 @@ class BatchedGatherBackend(AttentionBackend):
         groups = meta.prepared["groups"]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_heads, head_dim = q.shape[1], q.shape[2]
-        # The kernels have no sliding window and no soft-capping: those layers take the gather path.
-        use_kernel = self._kernels_apply(meta, window, softcap)
+        # The kernels have no soft-capping and the row kernel no sliding window: those take the gather path.
         for g in groups:
+            use_kernel = self._kernels_apply(meta, window, softcap, g.is_decode)
             if g.is_decode and use_kernel:
                 # Reads each query row of q in place and writes its output row of `out`; a batch of only
                 # decodes needs no row index at all.
                 rows = _NO_ROWS if len(groups) == 1 else g.out_rows
-                self.kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, rows, out, scale)
+                self.kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, rows, out, scale,
+                                                    window)
                 continue
             if use_kernel:
                 # Prefill chunks: the C++ row kernel (the strict mode's): every row over its own context,

@@ -116,8 +116,10 @@ class CpuKernels:
         """Structured outputs: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (in place)."""
         self.ext.apply_token_bitmask(logits, bitmask, rows)
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale: float) -> None:
-        self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale)
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale: float,
+                               window: int | None = None) -> None:
+        """window: a sliding window (each sequence's last `window` keys); None: every key."""
+        self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale, window or 0)
 
     def paged_attention_rows(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float):
         """The strict mode's attention: every query row over its own context in a per-row fixed order."""

@@ -127,8 +127,9 @@ class ModelConfig:
     @property
     def stack_decoder(self) -> bool:
         """A decoder DecodeStack runs (kernels/csrc/decode_stack.cpp): the plain one, and with QK-norm (Qwen3), the
-        sandwich norms, GeGLU, the embedding scale, a second rotary base and the query_pre_attn_scalar (Gemma 3) --
-        not partial rotary (Phi-4-mini) nor soft-capped attention scores (Gemma 2), which its kernels do not do."""
+        sandwich norms, GeGLU, the embedding scale, a second rotary base, the query_pre_attn_scalar and sliding
+        windows (Gemma 3, Mistral) -- not partial rotary (Phi-4-mini) nor soft-capped attention scores (Gemma 2),
+        which its kernels do not do."""
         return self.partial_rotary_factor == 1.0 and self.attn_logit_softcapping is None
 
     @classmethod

@@ -1,13 +1,15 @@
-"""The decoder of every supported architecture (model/config.py's registry): Llama 2/3.x, Mistral, Qwen2
-(qkv bias), Qwen3 (QK-norm), Phi-3 / Phi-4-mini (partial rotary, LongRoPE), Gemma 2 and Gemma 3 (four norms
-per layer, GeGLU, embedding scale, soft-capping, per-layer sliding windows and rotary bases), and SmolLM.
+"""The decoder of every supported architecture (model/config.py's registry): Llama 2/3.x, Mistral, Qwen2 (qkv bias),
+Qwen3 (QK-norm), Phi-3 / Phi-4-mini (partial rotary, LongRoPE), Gemma 2 and Gemma 3 (four norms per layer, GeGLU,
+embedding scale, soft-capping, per-layer sliding windows and rotary bases), and SmolLM.
 
-It works on a flat batch (all new tokens of all sequences concatenated) and attends over the paged KV
-cache through an AttentionBackend. q/k/v and gate/up projections are fused at load time so each layer
-runs three big matmuls instead of seven. Decode steps of the decoders `ModelConfig.stack_decoder` names (all but
-partial rotary, Phi-4-mini's, and Gemma 2's soft-capped scores) run through the fused C++ DecodeStack; other steps run
-their layers op by op (with the C++ norms, rotary and KV write where they apply). With the C++ kernels every norm
-rounds as its family's reference does in bf16: Gemma's once after the weight, the others' before it.
+It works on a flat batch (all new tokens of all sequences concatenated) and attends over the paged KV cache through
+an AttentionBackend. q/k/v and gate/up projections are fused at load time so each layer runs three big matmuls
+instead of seven. Decode steps of the decoders `ModelConfig.stack_decoder` names (all but partial rotary,
+Phi-4-mini's, and Gemma 2's soft-capped scores) run through the fused C++ DecodeStack, sliding windows included (its
+decode kernel takes them; the strict mode's row kernel does not, so windows that cut keep that mode's steps op by
+op); other steps run their layers op by op (with the C++ norms, rotary and KV write where they apply). With the C++
+kernels every norm rounds as its family's reference does in bf16: Gemma's once after the weight, the others' before
+it.
 """
 
 from __future__ import annotations
@@ -289,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
             and self.tp is None  # a sharded layer all-reduces between its matmuls: op by op
             and self.kernels.decode_stack
             and cfg.stack_decoder
-            and not windows_apply  # the C++ decode kernels have no window
+            and not (windows_apply and backend.row_invariant)  # the strict mode's row kernel has no window
             and 0 < meta.num_seqs
             and (meta.num_seqs <= DECODE_STACK_MAX_SEQS or self._stack_any_rows)
             and backend.runs_decode_kernel(meta)
@@ -319,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
                 return ext.DecodeLayer(
                     layer.input_layernorm.weight, ln2, spec(attn.qkv_proj), spec(attn.o_proj),
                     spec(mlp.gate_up_proj), spec(mlp.down_proj), k, v, **qk, **sandwich,
-                    local_rope=attn.rope_key == "local",
+                    local_rope=attn.rope_key == "local", window=attn.window or 0,
                 )
 
             layers = [layer_spec(layer, k, v) for layer, (k, v) in zip(self.layers, kv_caches, strict=True)]

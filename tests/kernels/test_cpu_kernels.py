@@ -168,12 +168,13 @@ def paged_setup(B, H, KVH, D, BS, dtype, seed):
     return lens, tables, kc, vc, g
 
 
-def ref_decode(q, kc, vc, tables, lens, scale):
+def ref_decode(q, kc, vc, tables, lens, scale, window=None):
     out = []
     group = q.shape[1] // kc.shape[2]
     for b in range(len(lens)):
-        keys = gather_context(kc, tables[b], int(lens[b])).float().repeat_interleave(group, 1)
-        vals = gather_context(vc, tables[b], int(lens[b])).float().repeat_interleave(group, 1)
+        first = 0 if window is None else max(0, int(lens[b]) - window)  # a sliding window: the last `window` keys
+        keys = gather_context(kc, tables[b], int(lens[b]))[first:].float().repeat_interleave(group, 1)
+        vals = gather_context(vc, tables[b], int(lens[b]))[first:].float().repeat_interleave(group, 1)
         p = torch.einsum("hd,shd->hs", q[b].float(), keys).mul(scale).softmax(-1)
         out.append(torch.einsum("hs,shd->hd", p, vals))
     return torch.stack(out)
@@ -223,6 +224,35 @@ def test_paged_decode_attention_bf16_with_16_key_blocks(kernels, amx, H, KVH):
     finally:
         kernels.set_amx(before)
     assert close(out, ref_decode(q, kc, vc, tables, lens, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize(("H", "KVH", "D", "BS"), [(9, 3, 64, 16), (4, 2, 32, 8), (12, 1, 80, 16), (6, 2, 128, 4)])
+def test_paged_decode_attention_sliding_window(kernels, dtype, H, KVH, D, BS):
+    """With a window (Gemma's sliding layers) a sequence attends to its last `window` keys only: the kernel starts at
+    the block of the first of them and masks the keys before it in that block. Windows of one key, under a block,
+    a block, and over it; contexts shorter than, equal to and just over the window, block-aligned or not."""
+    B = 10
+    lens, tables, kc, vc, g = paged_setup(B, H, KVH, D, BS, dtype, seed=3 * H + D + BS)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    scale = D**-0.5
+    no_rows = torch.empty(0, dtype=torch.long)
+    for window in (1, BS - 3, BS, BS + 5, 2 * BS):
+        lens[:5] = torch.tensor([window - 1 if window > 1 else 1, window, window + 1, window + BS, 3 * BS + 1])
+        out = torch.empty(B, H, D, dtype=dtype)
+        kernels.paged_decode_attention(q, kc, vc, tables, lens, no_rows, out, scale, window)
+        assert close(out, ref_decode(q, kc, vc, tables, lens, scale, window), dtype), window
+        # the window matters for the longer contexts (the reference without it differs there) ...
+        cut = lens > window
+        assert cut.any() and not close(out[cut], ref_decode(q, kc, vc, tables, lens, scale)[cut], dtype)
+        # ... and a window no context exceeds (or none, 0) is the plain kernel, bit for bit
+        plain = torch.empty(B, H, D, dtype=dtype)
+        kernels.paged_decode_attention(q, kc, vc, tables, lens, no_rows, plain, scale)
+        wide = torch.empty(B, H, D, dtype=dtype)
+        kernels.paged_decode_attention(q, kc, vc, tables, lens, no_rows, wide, scale, int(lens.max()))
+        assert torch.equal(wide, plain) and torch.equal(out[~cut], plain[~cut])
+    with pytest.raises(RuntimeError, match="window"):
+        kernels.paged_decode_attention(q, kc, vc, tables, lens, no_rows, out, scale, -1)
 
 
 def test_paged_decode_attention_rejects_bad_tables(kernels):

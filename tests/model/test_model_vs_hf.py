@@ -390,12 +390,13 @@ def test_bf16_fast_path_is_as_close_to_float32_as_transformers_bf16(arch, tmp_pa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["llama-bias", "qwen3", "gemma3-long"])
+@pytest.mark.parametrize("arch", ["llama-bias", "qwen3", "gemma3-long", "gemma3"])
 def test_decode_stack_equals_layer_by_layer_path(arch, dtype, tmp_path):
     """Decode steps of a few sequences run every layer in one C++ call; the result must be what the
     layer-by-layer fused path computes (bit for bit in float32: same kernels, same order). llama-bias: biases
     everywhere, so the stack's bias handling is checked too; qwen3: QK-norm; gemma3-long: QK-norm, the sandwich
-    norms rounded once, GeGLU, the sliding layer's own rotary base, the embedding scale."""
+    norms rounded once, GeGLU, the sliding layer's own rotary base, the embedding scale; gemma3: the same with a
+    window (6) the sequences outgrow, which both paths' decode kernel applies."""
     hf = _build_hf(arch)
     hf.save_pretrained(tmp_path)
     lm = load_model(str(tmp_path), dtype)

@@ -2,7 +2,8 @@
 //
 // One query token per sequence. Keys and values are read in place through the block table (no
 // gathered copy of the context). A task is one (sequence, kv head, group of up to 8 query heads): each
-// K/V row it reads serves every query head of the GQA group. Softmax is exact (max-subtracted, float32).
+// K/V row it reads serves every query head of the GQA group. Softmax is exact (max-subtracted, float32). A sliding
+// window (Gemma's, Mistral's) limits each sequence to its last `window` keys (window_span below).
 //
 // With AVX-512 the query heads' dot products and the V accumulation stay in registers (templated on the
 // group size); with AVX512-BF16, a bf16 cache and query run the scores as pair dot products and P.V over key pairs
@@ -41,6 +42,25 @@ inline void softmax_inplace(float* r, int64_t S) {
   const float inv = 1.f / sum;
 #pragma omp simd
   for (int64_t j = 0; j < S; ++j) r[j] *= inv;
+}
+
+// A sliding window (window > 0): a sequence of S keys sees keys S - window .. S - 1 only. The decode kernels start
+// at the cache block holding the first of them (block table and S shifted by whole blocks, so every block-aligned
+// step of theirs stays aligned) and give the `skip` keys before it in that block a score far below any real one
+// (finite: the kernels are built with -ffast-math), whose exponential is 0: no weight in the softmax or in P.V.
+struct WindowSpan {
+  const int64_t* table;
+  int64_t S, skip;
+};
+inline WindowSpan window_span(const int64_t* table, int64_t S, int64_t BS, int64_t window) {
+  if (window <= 0 || S <= window) return {table, S, 0};
+  const int64_t first = S - window, start = first / BS * BS;
+  return {table + start / BS, S - start, first - start};
+}
+constexpr float kMaskedScore = -1e30f;
+// Rows of S scores (row stride S) of n heads: the first skip masked.
+inline void mask_skipped(float* sc, int64_t n, int64_t S, int64_t skip) {
+  for (int64_t h = 0; h < n; ++h) std::fill(sc + h * S, sc + h * S + skip, kMaskedScore);
 }
 
 namespace legacy {
@@ -92,7 +112,7 @@ inline void group_dots(const float* qb, const T* krow, int64_t group, int64_t D,
 template <typename T>
 void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                   int64_t block_size, int64_t max_blocks, float scale) {
+                   int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
   const int64_t group = H / KVH;
   const int64_t row = KVH * D;              // elements per token slot in a block
   const int64_t block_stride = block_size * row;
@@ -101,8 +121,9 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
     std::vector<float> scores;
     std::vector<float> acc(H * D);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t S = seq_lens[b];
-      const int64_t* table = block_tables + b * max_blocks;
+      const WindowSpan span = window_span(block_tables + b * max_blocks, seq_lens[b], block_size, window);
+      const int64_t S = span.S;
+      const int64_t* table = span.table;
       scores.resize(H * S);
       const float* qb = q + b * H * D;
       // Walk the block table block by block (no division per token); head h's scores are row h.
@@ -116,6 +137,7 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
           }
         }
       }
+      mask_skipped(scores.data(), H, S, span.skip);
       for (int64_t h = 0; h < H; ++h) softmax_inplace(scores.data() + h * S, S);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j0 = 0; j0 < S; j0 += block_size) {
@@ -559,7 +581,7 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
 template <int G, typename SC, typename SQ>
 void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, const SC* vc, const int64_t* table,
                   int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SQ* out,
-                  [[maybe_unused]] bool tiles) {
+                  [[maybe_unused]] bool tiles, int64_t skip) {
   sc.resize(G * S + 16);
   bool done = false;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
@@ -582,6 +604,7 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
   }
 #endif
   if (!done) scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data());
+  mask_skipped(sc.data(), G, S, skip);
   for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S);
 #ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
@@ -606,7 +629,7 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
 template <typename SC, typename SQ>
 void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC* kc, const SC* vc,
                    const int64_t* block_tables, int64_t bt_stride, const int64_t* seq_lens, SQ* out,
-                   int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
+                   int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window) {
   const int64_t group = H / KVH;
   const int64_t chunks = (group + kMaxGroupChunk - 1) / kMaxGroupChunk;
   const int64_t row = KVH * D;
@@ -630,20 +653,21 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
       const int64_t r = rows ? rows[b] : b;
       const SQ* qs = q + r * q_stride + h0 * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = Elem<SQ>::load(qs[i]) * scale;
-      const int64_t* table = block_tables + b * bt_stride;
-      const int64_t S = seq_lens[b];
+      const WindowSpan span = window_span(block_tables + b * bt_stride, seq_lens[b], BS, window);
+      const int64_t* table = span.table;
+      const int64_t S = span.S;
       SQ* o = out + (r * H + h0) * D;
       const SC* k = kc + kvh * D;
       const SC* v = vc + kvh * D;
       switch (G) {
-        case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
-        case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
-        case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
-        case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
-        case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
-        case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
-        case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
-        default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles); break;
+        case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
+        case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
+        case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
+        case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
+        case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
+        case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
+        case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
+        default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
       }
     }
   });
@@ -658,8 +682,9 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
 // out: [T, H, D] contiguous, q's dtype; rows of out not named by `rows` are left untouched.
 void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows,
-                            torch::Tensor out, double scale) {
+                            torch::Tensor out, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode_attention: q must be [T, H, D] with contiguous heads");
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_decode_attention: caches must be contiguous [num_blocks, block_size, KVH, D]");
@@ -691,7 +716,7 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     dispatch_float_bf16(q, "paged_decode_attention", [&]<typename SQ>() {
       dispatch_float_bf16(k_cache, "paged_decode_attention", [&]<typename SC>() {
         decode_avx512<SC, SQ>(ptr<SQ>(q), q.stride(0), rw, ptr<SC>(k_cache), ptr<SC>(v_cache), bt,
-                              block_tables.size(1), sl, ptr<SQ>(out), B, H, KVH, D, BS, sc);
+                              block_tables.size(1), sl, ptr<SQ>(out), B, H, KVH, D, BS, sc, window);
       });
     });
     return;
@@ -702,11 +727,12 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   auto res = torch::empty({B, H, D}, qf.options());
   if (k_cache.scalar_type() == torch::kFloat32) {
     legacy::decode_kernel<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, sl,
-                                 res.data_ptr<float>(), B, H, KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
+                                 res.data_ptr<float>(), B, H, KVH, D, BS, block_tables.size(1), static_cast<float>(scale),
+                                 window);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
     legacy::decode_kernel<c10::BFloat16>(qf.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
                                          v_cache.data_ptr<c10::BFloat16>(), bt, sl, res.data_ptr<float>(), B, H, KVH,
-                                         D, BS, block_tables.size(1), static_cast<float>(scale));
+                                         D, BS, block_tables.size(1), static_cast<float>(scale), window);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: cache dtype must be float32 or bfloat16");
   }

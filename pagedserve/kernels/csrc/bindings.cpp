@@ -14,7 +14,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   pagedserve::bind_decode_stack(m);
   m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
-        "decode attention over a paged KV cache, written into out's rows");
+        "decode attention over a paged KV cache, written into out's rows (window > 0: each sequence's last `window` "
+        "keys only)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("rows"), py::arg("out"), py::arg("scale"), py::arg("window") = 0);
   m.def("paged_attention_rows", &pagedserve::paged_attention_rows,
         "the strict mode's attention: every query row over its own context, in an order fixed per row");
   m.def("paged_attention_rows_into", &pagedserve::paged_attention_rows_into,

@@ -78,14 +78,15 @@ struct MatmulSpec {
 
 // One decoder layer: its two norms' weights (ln2: the norm before the MLP), its four matmuls and its slice of the
 // paged KV cache; optionally (undefined tensors where not) the norms of each q and k head (Qwen3, Gemma 3), of the
-// attention's and of the MLP's output (Gemma's sandwich norms), and whether the layer takes the second rotary
-// table (Gemma 3's sliding layers).
+// attention's and of the MLP's output (Gemma's sandwich norms), whether the layer takes the second rotary table and
+// its sliding window (Gemma 3's sliding layers).
 struct DecodeLayer {
   torch::Tensor ln1, ln2;
   MatmulSpec qkv, o, gate_up, down;
   torch::Tensor k_cache, v_cache;
   torch::Tensor q_norm = {}, k_norm = {}, attn_out_norm = {}, mlp_out_norm = {};
   bool local_rope = false;
+  int64_t window = 0;  // sliding window (Gemma's sliding layers): each sequence's last `window` keys; 0: all
 };
 
 class DecodeStack {
@@ -149,10 +150,12 @@ class DecodeStack {
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D});
       torch::Tensor attn;
       if (strict_attention_) {
+        TORCH_CHECK(l.window == 0 || seq_lens.max().item<int64_t>() <= l.window,
+                    "DecodeStack: the strict mode's attention has no sliding window");
         attn = paged_attention_rows(q, l.k_cache, l.v_cache, block_tables, seq_lens, qsl, scale_);
       } else {
         attn = torch::empty({B, H_, D}, qkv.options());
-        paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_);
+        paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
       }
       h = l.o(attn.view({B, q_size}));
       if (l.attn_out_norm.defined()) h = rms_norm(h, l.attn_out_norm, eps_, once_);
@@ -187,15 +190,17 @@ void bind_decode_stack(pybind11::module& m) {
                        MatmulSpec down, torch::Tensor k_cache, torch::Tensor v_cache,
                        c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
                        c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
-                       bool local_rope) {
+                       bool local_rope, int64_t window) {
+             TORCH_CHECK(window >= 0, "DecodeLayer: window must be >= 0 (0: none), got ", window);
              return DecodeLayer{ln1, ln2, std::move(qkv), std::move(o), std::move(gate_up), std::move(down), k_cache,
                                 v_cache, q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor()),
                                 attn_out_norm.value_or(torch::Tensor()), mlp_out_norm.value_or(torch::Tensor()),
-                                local_rope};
+                                local_rope, window};
            }),
            py::arg("ln1"), py::arg("ln2"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
-           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("local_rope") = false);
+           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("local_rope") = false,
+           py::arg("window") = 0);
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, double, double, bool, bool, bool>(), py::arg("layers"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"),

@@ -5,7 +5,8 @@
 
 namespace pagedserve {
 void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, torch::Tensor rows, torch::Tensor out, double scale);
+                            torch::Tensor seq_lens, torch::Tensor rows, torch::Tensor out, double scale,
+                            int64_t window = 0);
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                                    double scale);
