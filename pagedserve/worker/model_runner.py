@@ -2,8 +2,9 @@
 
 The runner owns what runs on the device: the model, its KV cache tensors, the attention backend, the
 sampler, and the C++ CPU kernels, which it hands to each of them (one typed `CpuKernels`, or None). The
-flat batch concatenates every scheduled request's new tokens; positions and slot mappings are computed
-with tensor ops from per-request (start, length) pairs, not per token in Python.
+flat batch concatenates every scheduled request's new tokens; positions, slot mappings, block tables and
+query starts are built as Python lists and turned into one tensor each (cheaper than a dozen small tensor
+ops for a decode step's handful of numbers; see prepare_inputs).
 """
 
 from __future__ import annotations
