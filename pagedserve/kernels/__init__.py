@@ -12,6 +12,7 @@ backend and the sampler; None means "no C++ at all" (pure PyTorch).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ from pagedserve.kernels.cpu_info import CpuInfo, cpu_info
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CpuInfo", "CpuKernels", "cpu_info", "load_extension"]
 
@@ -41,11 +44,14 @@ class CpuKernels:
     quant_types: frozenset[int] = frozenset()
     # quant_linear_bf16: bf16 activations against the blocks' weights rounded to bf16 (AVX512-BF16 builds).
     quant_bf16: bool = False
+    # quant_linear_i8 for 1-4 rows over Q4_0/Q4_1/Q8_0 blocks: activations quantized to int8 per 32 (llama.cpp's
+    # numerics; built with AVX512-VNNI + VBMI, and asked for: EngineConfig.int8_activations).
+    quant_i8: bool = False
 
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
               decode_stack: bool = True, fixed_matmuls: bool | None = None,
-              amx: bool = True) -> CpuKernels | None:
+              amx: bool = True, int8_activations: bool = False) -> CpuKernels | None:
         ext = load_extension(arch)
         if ext is None:
             return None
@@ -62,6 +68,7 @@ class CpuKernels:
             fixed_matmuls=(not ext.has_avx512()) if fixed_matmuls is None else fixed_matmuls,
             quant_types=frozenset(ext.quant_types()),
             quant_bf16=ext.has_quant_bf16(),
+            quant_i8=int8_activations and ext.has_quant_i8(),
         )
 
     @classmethod
@@ -70,9 +77,13 @@ class CpuKernels:
         attention backend, another device, or no compiler)."""
         if not config.use_cpp_kernels or config.attention_backend == "torch_ref" or config.device != "cpu":
             return None
-        return cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
-                         decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
-                         amx=config.amx)
+        kernels = cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
+                            decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
+                            amx=config.amx, int8_activations=config.int8_activations)
+        if kernels is not None and config.int8_activations and not kernels.quant_i8:
+            logger.warning("int8_activations: this CPU (or build) has no AVX512-VNNI + VBMI; decode matmuls keep "
+                           "the model's activations (bf16 / float32)")
+        return kernels
 
     @property
     def amx_active(self) -> bool:
@@ -163,6 +174,13 @@ class CpuKernels:
         """silu(gate) * up of quant_linear_bf16 (bf16 out) over W = [gate; up] (n = 2 I, I % 16 == 0, no bias): the
         bits of silu_and_mul over it, in one call (fused where AMX runs the many-rows matmul)."""
         return self.ext.quant_linear_bf16_silu(x, packed, type_id, n, x.shape[-1])
+
+    def quant_linear_i8(self, x, packed, type_id: int, n: int, bias, out_dtype):
+        """W . Q(x) (+ bias) for Q4_0/Q4_1/Q8_0 blocks: x's rows (float32/bf16) quantized to int8 per 32-k block
+        (dx = max|x| / 127, nearest-even), integer dot products against the quants, exact, then one float32 chain
+        per output over the blocks: llama.cpp's activations, not the reference's result (needs `quant_i8`'s build;
+        the same bits for a row whatever M)."""
+        return self.ext.quant_linear_i8(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
 
     def quant_embedding(self, ids, packed, type_id: int, k: int, out_dtype):
         """Rows `ids` (int64, any shape) of the dequantized [N, k] weight -> [*ids.shape, k] in out_dtype."""

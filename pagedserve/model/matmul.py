@@ -11,6 +11,9 @@ of many rows is a GEMM bound by compute. So each weight gets two routes:
 One effective weight per matrix, whatever the batch: every route of a weight multiplies by the same
 values. float32: the exact (dequantized) weights on every route. bfloat16: their bf16 rounding on every
 route, so the GGUF GEMVs (which widen blocks to the exact float32 weights) serve float32 models only.
+The one opt-in exception is `int8_activations` (QUANT_I8): a few rows over Q4_0/Q4_1/Q8_0 blocks read in
+place multiply the exact weights by their activations quantized to int8 per 32 (llama.cpp's numerics,
+not the reference's), many rows keep the model's route; never in the strict mode.
 
 Two special cases:
 * the LM head returns float32 logits in every dtype (`float32_out`): a bf16 head runs the fixed-order
@@ -64,6 +67,8 @@ GGUF_TYPE_IDS = {layout.name: t for t, layout in GGUF_BLOCK_LAYOUTS.items()}
 
 # Up to this many rows a matmul is a GEMV bound by reading the weight once (DecodeStack's limit too).
 GEMV_MAX_ROWS = 4
+# ggml type ids quant_linear_i8 reads (Q4_0, Q4_1, Q8_0).
+INT8_ACTIVATION_TYPES = frozenset({2, 3, 8})
 # Rows above which a bf16 matmul is done in float32 on CPUs without native bf16 math (AVX2 only): there
 # the bf16 GEMM is emulated and ~3x slower than float32 once compute-bound, while for a few rows
 # (decode of few sequences) it is memory-bound and bf16's halved weight traffic wins ~3x.
@@ -82,6 +87,7 @@ class Route(enum.IntEnum):
     LINEAR_F32 = 6  # F.linear in float32 over a float32 copy of a bf16 weight (a bf16 LM head, many rows)
     QUANT = 7  # GGUF quantized blocks read in place at every row count (csrc/quant_gemm.cpp)
     QUANT_BF16 = 8  # the same blocks as bf16 weights against bf16 activations (AVX512-BF16: quant_linear_bf16)
+    QUANT_I8 = 9  # few rows: Q4_0/Q4_1/Q8_0 blocks against int8-quantized activations (quant_linear_i8; opt-in)
 
 
 @dataclass(slots=True)
@@ -230,6 +236,10 @@ class MatmulRoutes:
             # holds them), on AVX512-BF16's pair dot products; elsewhere with the exact float32 weights.
             bf16 = weight.dtype == torch.bfloat16 and kernels.quant_bf16
             self.few_rows = self.many_rows = Route.QUANT_BF16 if bf16 else Route.QUANT
+            # Opted in (EngineConfig.int8_activations): a few rows quantize their activations, llama.cpp's way.
+            if kernels.quant_i8 and not batch_invariant and all(p.type_id in INT8_ACTIVATION_TYPES
+                                                                 for p in self.quant):
+                self.few_rows = Route.QUANT_I8
             return
         bf16 = weight.dtype == torch.bfloat16
         if batch_invariant and kernels is None:
@@ -265,8 +275,8 @@ class MatmulRoutes:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
-        if route in (Route.QUANT, Route.QUANT_BF16):
-            return self._quant(x, bias, route == Route.QUANT_BF16)
+        if route in (Route.QUANT, Route.QUANT_BF16, Route.QUANT_I8):
+            return self._quant(x, bias, route)
         if route == Route.FIXED:
             out_dtype = torch.float32 if self.float32_out else x.dtype
             return self.kernels.fixed_linear(x, self.fixed, weight.shape[0], bias, out_dtype)
@@ -284,11 +294,12 @@ class MatmulRoutes:
         # with float32_out (only plain, never-set-up routes reach this with bf16 and upcast).
         return y.float() if self.float32_out else y
 
-    def _quant(self, x: torch.Tensor, bias: torch.Tensor | None, bf16: bool = False) -> torch.Tensor:
+    def _quant(self, x: torch.Tensor, bias: torch.Tensor | None, route: Route = Route.QUANT) -> torch.Tensor:
         out_dtype = torch.float32 if self.float32_out else x.dtype
         k = self.kernels
-        fn = k.quant_linear_bf16 if bf16 else k.quant_linear
-        if bf16:
+        fn = {Route.QUANT: k.quant_linear, Route.QUANT_BF16: k.quant_linear_bf16,
+              Route.QUANT_I8: k.quant_linear_i8}[route]
+        if route == Route.QUANT_BF16:
             x = x.to(torch.bfloat16)
         if len(self.quant) == 1:
             p = self.quant[0]
@@ -323,7 +334,7 @@ class MatmulRoutes:
         if self.float32_out:
             raise ValueError("decode_spec: a float32-out matmul (the LM head) is not part of DecodeStack")
         route = Route.LINEAR if self.few_rows == Route.PACKED else self.few_rows
-        if route in (Route.QUANT, Route.QUANT_BF16):
+        if route in (Route.QUANT, Route.QUANT_BF16, Route.QUANT_I8):
             specs, start = [], 0
             for p in self.quant:
                 b = bias if bias is None or len(self.quant) == 1 else bias[start : start + p.n].contiguous()

@@ -84,3 +84,28 @@ def test_engine_config_switches_reach_the_kernels_object():
     assert not k.gguf_block_types
     assert CpuKernels.from_config(EngineConfig(use_cpp_kernels=False)) is None
     assert CpuKernels.from_config(EngineConfig(attention_backend="torch_ref")) is None
+
+
+def test_int8_activations_is_opt_in_and_not_with_the_strict_mode():
+    from pagedserve.config import EngineConfig
+
+    assert not CpuKernels.from_config(EngineConfig()).quant_i8  # default: the reference's activations
+    k = CpuKernels.from_config(EngineConfig(int8_activations=True))
+    assert k.quant_i8 == k.ext.has_quant_i8()  # where the CPU cannot, ignored (with a warning)
+    with pytest.raises(ValueError, match="int8_activations"):
+        EngineConfig(int8_activations=True, batch_invariant=True)
+
+
+def test_int8_route_is_for_few_rows_of_its_block_types(kernels):
+    """QUANT_I8 takes the few-rows route of Q4_0/Q4_1/Q8_0 weights read in place when the kernels offer it, never
+    in the strict mode; many rows keep the model's route."""
+    from pagedserve.model.matmul import QuantPart, Route
+
+    _, (_, raw) = q4_1_weight()
+    k8 = kernels.replace(quant_i8=True)
+    for km, strict, want in ((k8, False, Route.QUANT_I8), (k8, True, Route.QUANT), (kernels, False, Route.QUANT)):
+        routes = MatmulRoutes()
+        routes.quant = [QuantPart(3, kernels.quant_pack(raw, 3), raw.shape[0])]
+        routes.setup(torch.empty(32, 64), km, pack=False, batch_hint=8, batch_invariant=strict)
+        assert (routes.few_rows, routes.many_rows) == (want, Route.QUANT)
+        assert routes.one_route == (want != Route.QUANT_I8)

@@ -334,3 +334,53 @@ def test_decode_stack_takes_many_sequences_over_gguf_blocks(tmp_path, uncached_g
         runs.append(torch.stack(steps))
         assert (lm.model._stack is not None) == use_stack
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_activations_take_the_decode_matmuls_only(tmp_path, uncached_gguf, dtype):
+    """int8_activations (opt-in): the decode-sized matmuls over Q4_0/Q4_1/Q8_0 blocks quantize their activations
+    (route QUANT_I8), prefill-sized ones and other block types keep the model's route. DecodeStack runs the route
+    with the layer-by-layer path's bits; the logits stay within a small distance of the unquantized route's (what
+    quantizing activations to 8 bits costs) but are not its bits."""
+    from test_model_vs_hf import PagedSequences
+
+    from pagedserve.kernels import CpuKernels
+    from pagedserve.model.matmul import GEMV_MAX_ROWS, Route
+
+    kernels = CpuKernels.build(int8_activations=True)
+    if not kernels.quant_i8:
+        pytest.skip("the int8 route needs AVX512-VNNI + VBMI")
+    hf = _tiny_hf(tie=False, hidden=128)
+    path = tmp_path / "q.gguf"
+    _tiny_gguf(path, hf, {"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1",
+                          "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0",
+                          "output.weight": "Q8_0"})
+    lm = loader.load_model(str(path), dtype, kernels=kernels)
+    routes = lm.model.setup_matmuls(kernels, pack=False, batch_hint=8)
+    plain = Route.QUANT_BF16 if dtype == torch.bfloat16 and kernels.quant_bf16 else Route.QUANT
+    by_type = {r.quant[0].type_id: r for r in routes}
+    for type_id in (2, 3, 8):  # Q4_0 (o), Q4_1 (qkv, gate_up), Q8_0 (the head)
+        assert (by_type[type_id].few_rows, by_type[type_id].many_rows) == (Route.QUANT_I8, plain)
+    assert by_type[6].few_rows == by_type[6].many_rows == plain  # Q5_0 (down): no int8 kernel
+    assert not lm.model._stack_any_rows  # two routes by row count: the stack takes a few sequences only
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(6, 20))] for _ in range(3)]
+    feed = [[rng.randrange(256) for _ in prompts] for _ in range(4)]
+
+    def decode(k, use_stack=True):
+        lm.model.setup_matmuls(k, pack=False, batch_hint=8)
+        run = PagedSequences(lm, "fused", len(prompts), dtype=dtype, seed=8, kernels=k.replace(decode_stack=use_stack))
+        steps = [run.step(prompts)]
+        for fed in feed:  # the same tokens for every run (their own greedy picks may part)
+            steps.append(run.step([[t] for t in fed]))
+        assert (lm.model._stack is not None) == use_stack
+        return torch.stack(steps).float()
+
+    stacked, layered = decode(kernels), decode(kernels, use_stack=False)
+    assert torch.equal(stacked, layered)
+    plain_run = decode(kernels.replace(quant_i8=False))
+    # Every step's head has a few rows (the prefill step's last positions too): each step moves a little.
+    assert len(prompts) <= GEMV_MAX_ROWS
+    for step, (a, b) in enumerate(zip(stacked, plain_run, strict=True)):
+        diff = (a - b).abs().max().item()
+        assert 0 < diff <= 0.05 * b.abs().max().item(), (step, diff)

@@ -26,6 +26,12 @@ def random_prompts(num: int, input_len: int, seed: int, low: int = 1000, high: i
     return torch.randint(low, high, (num, input_len), generator=g).tolist()
 
 
+def int8_activations_used(engine) -> bool:
+    """Whether this engine's decode matmuls quantize activations to int8 (--int8-activations, where the CPU can)."""
+    kernels = getattr(getattr(engine, "runner", None), "kernels", None)
+    return bool(kernels is not None and kernels.quant_i8)
+
+
 def machine_info(device: str | None = None) -> dict:
     """The CPU, and with device="cuda" the GPU too (its name, CUDA and Triton versions)."""
     info = cpu_info()
@@ -92,7 +98,8 @@ def run_throughput(args, config) -> dict:
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     result = {
         "mode": "throughput", "engine": "pagedserve", "model": llm.engine.served_model_name,
-        "dtype": str(llm.engine.dtype).removeprefix("torch."), "num_prompts": len(outs),
+        "dtype": str(llm.engine.dtype).removeprefix("torch."), "int8_activations": int8_activations_used(llm.engine),
+        "num_prompts": len(outs),
         "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": elapsed,
         "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
         "prompt_tokens_per_s": prompt_tokens / elapsed,
@@ -306,8 +313,9 @@ def run_latency(args, config) -> dict:
 
     result = {
         "mode": "latency", "engine": "pagedserve", "model": engine.served_model_name,
-        "dtype": str(engine.dtype).removeprefix("torch."), "input_len": args.input_len,
-        "output_len": args.output_len, "num_iters": len(prompts) - 1, "temperature": args.temperature,
+        "dtype": str(engine.dtype).removeprefix("torch."), "int8_activations": int8_activations_used(engine),
+        "input_len": args.input_len, "output_len": args.output_len, "num_iters": len(prompts) - 1,
+        "temperature": args.temperature,
         "prompts_file": getattr(args, "prompts_file", None),
         "speculative_config": engine.speculative_config.to_dict() if engine.speculative_config else None,
         "machine": machine_info(engine.config.device),

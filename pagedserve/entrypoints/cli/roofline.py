@@ -144,7 +144,7 @@ def decode_read_bytes(model, cfg, context: float, kv_elem_bytes: int) -> float:
     from pagedserve.model.matmul import Route
 
     def route_bytes(r, weight: torch.Tensor | None) -> int:
-        if r.few_rows in (Route.QUANT, Route.QUANT_BF16) and r.quant is not None:
+        if r.few_rows in (Route.QUANT, Route.QUANT_BF16, Route.QUANT_I8) and r.quant is not None:
             return sum(p.nbytes for p in r.quant)
         if r.few_rows in (Route.GGUF_R16, Route.GGUF_ROWS) and r.qgemv is not None:
             return sum(t.numel() * t.element_size() for t in r.qgemv.tensors())

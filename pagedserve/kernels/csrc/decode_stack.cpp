@@ -23,7 +23,8 @@ namespace pagedserve {
 
 // How a matmul of a few rows runs. The values are pagedserve/model/matmul.py's Route (a test checks them
 // through the `matmul_routes` binding).
-enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3, kFixed = 5, kQuant = 7, kQuantBf16 = 8 };
+enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3, kFixed = 5, kQuant = 7, kQuantBf16 = 8,
+                     kQuantI8 = 9 };
 
 // One matmul: its route, the plain weight and bias, and for the GGUF routes the block tensors
 // ([blocks] in GGUF's row layout, or [qs, scales, mins] regrouped by 16 rows; mins empty unless Q4_1),
@@ -62,6 +63,7 @@ struct MatmulSpec {
       case kFixed: return fixed_linear(x, q[0], weight.size(0), bias, x.scalar_type());
       case kQuant: return quant_linear(x, q, qtype, out_features(), x.size(1), bias, x.scalar_type());
       case kQuantBf16: return quant_linear_bf16(x, q, qtype, out_features(), x.size(1), bias, x.scalar_type());
+      case kQuantI8: return quant_linear_i8(x, q, qtype, out_features(), x.size(1), bias, x.scalar_type());
       default: return at::linear(x, weight, bias);
     }
   }
@@ -102,7 +104,8 @@ class DecodeStack {
       std::vector<const MatmulSpec*> specs{&l.qkv, &l.o, &l.gate_up, &l.down};
       for (const MatmulSpec* top : {&l.qkv, &l.gate_up})
         for (const auto& m : top->more) {
-          TORCH_CHECK(m.more.empty() && (m.route == kQuant || m.route == kQuantBf16) && m.route == top->route,
+          TORCH_CHECK(m.more.empty() && (m.route == kQuant || m.route == kQuantBf16 || m.route == kQuantI8) &&
+                          m.route == top->route,
                       "DecodeStack: further parts of a matmul must be quantized parts of its route");
           specs.push_back(&m);
         }
@@ -110,7 +113,7 @@ class DecodeStack {
       TORCH_CHECK(l.q_norm.defined() == l.k_norm.defined() && l.attn_out_norm.defined() == l.mlp_out_norm.defined(),
                   "DecodeStack: q_norm / k_norm and attn_out_norm / mlp_out_norm come in pairs");
       for (const MatmulSpec* m : specs) {
-        const bool quant = m->route == kQuant || m->route == kQuantBf16;
+        const bool quant = m->route == kQuant || m->route == kQuantBf16 || m->route == kQuantI8;
         const size_t need = m->route == kGgufR16 ? 3 : ((m->route == kGgufRows || m->route == kFixed || quant) ? 1 : 0);
         const bool known = (m->route >= kLinear && m->route <= kGgufR16) || m->route == kFixed || quant;
         TORCH_CHECK(known && m->q.size() == need,
@@ -213,7 +216,8 @@ void bind_decode_stack(pybind11::module& m) {
   m.def("matmul_routes", []() {
     return std::vector<std::pair<std::string, int64_t>>{
         {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16},
-        {"fixed", kFixed}, {"quant", kQuant}, {"quant_bf16", kQuantBf16}};
+        {"fixed", kFixed}, {"quant", kQuant}, {"quant_bf16", kQuantBf16},
+        {"quant_i8", kQuantI8}};
   });
 }
 

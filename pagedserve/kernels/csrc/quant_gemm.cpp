@@ -1341,6 +1341,173 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
 
 #endif
 
+// ---- int8 activations (AVX512-VNNI + VBMI): quant_linear_i8 ------------------------------------------------------
+//
+// llama.cpp's (and vLLM's GGUF kernels') numerics for Q4_0 / Q4_1 / Q8_0: each row of x is quantized to int8 per
+// 32-k block (dx = max |x| / 127, q = x / dx rounded to nearest-even; an all-zero block has dx = 0), and the
+// result is the dequantized float32 weights times that quantized x: y = W . Q(x), Q(x) = dx * q. The weights'
+// quants meet the activations' in integer dot products (vpdpbusd: 4 unsigned bytes times 4 signed bytes per int32
+// lane; one lane per output row of a panel), exact, so per 32-k block and output:
+//   Q4_1: d dx (qw . qx) + m dx (sum qx)      Q4_0: d dx (qw . qx - 8 sum qx)      Q8_0: d dx ((qw + 128) . qx - 128 sum qx)
+// (Q8_0's signed quants are biased to unsigned by flipping their top bit, the bias taken out again exactly). Every
+// output is one float32 chain over the blocks in order, whatever M or the thread count: a row's result does not
+// depend on the batch. It is NOT the reference's result: Q(x) differs from x by up to dx / 2 per element (a
+// relative 0.4% of the block's largest), about what rounding x to bf16 does to each element -- so logits move a
+// little and greedy tokens may differ from the bf16 route's. Few rows only (decode): the many-rows routes stay
+// bf16 (prefill is compute-bound there, and quantizing activations would buy it nothing it needs).
+#if defined(PAGEDSERVE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define PAGEDSERVE_QUANT_I8 1
+
+// vpermb index gathering 4 byte planes of a packed block (64 bytes: plane j's 16 rows at 16 j) into one int32 lane per
+// row: byte 4 r + j <- byte 16 j + r.
+struct PlaneIdx {
+  alignas(64) uint8_t v[64];
+  constexpr PlaneIdx() : v() {
+    for (int r = 0; r < 16; ++r)
+      for (int j = 0; j < 4; ++j) v[4 * r + j] = static_cast<uint8_t>(16 * j + r);
+  }
+};
+inline constexpr PlaneIdx kPlaneIdx{};
+
+// x quantized per 32-k block, row after row: q [M][K] int8, dx [M][nb], sq [M][nb] (sum of the block's q).
+struct XQ {
+  const int8_t* q;
+  const float* dx;
+  const int32_t* sq;
+  int64_t K, nb;
+};
+
+inline bool i8_type(int64_t T) { return T == kQ4_0 || T == kQ4_1 || T == kQ8_0; }
+
+template <int64_t T, int R, int P>
+void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  constexpr int64_t pbb = 16 * quant_type(T).block_bytes;  // a packed block: 32 k of 16 rows
+  constexpr int64_t qoff = T == kQ4_1 ? 64 : 32;
+  const __m512i idx = _mm512_load_si512(kPlaneIdx.v);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 c[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
+  const int64_t nb = xq.nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_stream(panel, b * P * pbb, P * pbb);
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* pb = panel + p * pstride + b * pbb;
+      const uint8_t* q = pb + qoff;
+      __m512i s0[R], s1[R];
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+      if constexpr (T == kQ8_0) {
+        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+        PAGEDSERVE_UNROLL
+        for (int i = 0; i < 8; i += 2) {  // planes 4 i .. 4 i + 7: k = 4 i .. 4 i + 7
+          const __m512i u0 = _mm512_xor_si512(_mm512_permutexvar_epi8(idx, _mm512_loadu_si512(q + 64 * i)), flip);
+          const __m512i u1 = _mm512_xor_si512(_mm512_permutexvar_epi8(idx, _mm512_loadu_si512(q + 64 * i + 64)), flip);
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            int32_t a0, a1;
+            std::memcpy(&a0, xq.q + r * xq.K + b * 32 + 4 * i, 4);
+            std::memcpy(&a1, xq.q + r * xq.K + b * 32 + 4 * i + 4, 4);
+            s0[r] = _mm512_dpbusd_epi32(s0[r], u0, _mm512_set1_epi32(a0));
+            s1[r] = _mm512_dpbusd_epi32(s1[r], u1, _mm512_set1_epi32(a1));
+          }
+        }
+      } else {
+        PAGEDSERVE_UNROLL
+        for (int i = 0; i < 4; ++i) {  // planes 4 i .. 4 i + 3: low nibbles k = 4 i .., high nibbles k = 16 + 4 i ..
+          const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(q + 64 * i));
+          const __m512i lo = _mm512_and_si512(v, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            int32_t a0, a1;
+            std::memcpy(&a0, xq.q + r * xq.K + b * 32 + 4 * i, 4);
+            std::memcpy(&a1, xq.q + r * xq.K + b * 32 + 16 + 4 * i, 4);
+            s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(a0));
+            s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(a1));
+          }
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
+      [[maybe_unused]] __m512 m;
+      if constexpr (T == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const float dx = xq.dx[r * nb + b];
+        const int32_t sq = xq.sq[r * nb + b];
+        __m512i s = _mm512_add_epi32(s0[r], s1[r]);
+        if constexpr (T == kQ4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * sq));
+        if constexpr (T == kQ8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sq));
+        __m512& cc = c[r * P + p];
+        cc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), cc);
+        if constexpr (T == kQ4_1) cc = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(sq)), cc);
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
+}
+
+template <int64_t T, int P>
+inline void gemv_i8_rows(int64_t R, const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  switch (R) {
+    case 1: gemv_i8_panels<T, 1, P>(xq, panel, pstride, acc); break;
+    case 2: gemv_i8_panels<T, 2, P>(xq, panel, pstride, acc); break;
+    case 3: gemv_i8_panels<T, 3, P>(xq, panel, pstride, acc); break;
+    default: gemv_i8_panels<T, 4, P>(xq, panel, pstride, acc); break;
+  }
+}
+
+// a / b rounded once: -ffast-math lets GCC compute a division as a product with a reciprocal (vector ones with
+// vrcp14ps and a Newton step), another rounding, after which the ties of x / dx would round differently from the
+// definition (and from llama.cpp).
+inline float ieee_div(float a, float b) {
+  float r;
+  asm("vdivss %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
+  return r;
+}
+
+// Rows of x (float32 or bf16, row stride xs) quantized per 32-k block into q / dx / sq (XQ's layout).
+template <typename SX>
+void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* sq) {
+  const int64_t nb = K / 32;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      alignas(64) float v[32];
+      for (int i = 0; i < 32; ++i) v[i] = Elem<SX>::load(x[m * xs + b * 32 + i]);
+      const __m512 v0 = _mm512_load_ps(v), v1 = _mm512_load_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = ieee_div(amax, 127.f), s = amax > 0.f ? ieee_div(127.f, amax) : 0.f;
+      const __m512 id = _mm512_set1_ps(s);
+      const __m512i q0 = _mm512_cvtps_epi32(pinned(_mm512_mul_ps(v0, id)));  // nearest-even
+      const __m512i q1 = _mm512_cvtps_epi32(pinned(_mm512_mul_ps(v1, id)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * 32), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+      dx[m * nb + b] = d;
+      sq[m * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+  }
+}
+
+template <int64_t T, typename OT>
+void quant_gemv_i8(const XQ& xq, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N) {
+  constexpr QuantType t = quant_type(T);
+  const int64_t panels = (N + 15) / 16, pstride = 16 * xq.nb * t.block_bytes;
+  for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {  // rows past 4: again, 4 at a time (the same chains per row)
+    const int64_t mr = std::min<int64_t>(kGemvRows, M - m0);
+    const XQ part{xq.q + m0 * xq.K, xq.dx + m0 * xq.nb, xq.sq + m0 * xq.nb, xq.K, xq.nb};
+    gemv_groups(mr, 2, panels, w, pstride, bias, y + m0 * N, N, [&](int np, int64_t p0, float* acc) {
+      if (np == 2) {
+        gemv_i8_rows<T, 2>(mr, part, w + p0 * pstride, pstride, acc);
+      } else {
+        gemv_i8_rows<T, 1>(mr, part, w + p0 * pstride, pstride, acc);
+      }
+    });
+  }
+}
+#endif
+
 // Runs body.template operator()<T>() with the type id as a template argument.
 template <typename F>
 inline void dispatch_type(int64_t type, F&& body) {
@@ -1546,6 +1713,63 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
 #endif
   (void)p;
   return silu_and_mul(quant_linear_bf16(x, packed, type, N, K, c10::nullopt, torch::kBFloat16));
+}
+
+bool has_quant_i8() {
+#ifdef PAGEDSERVE_QUANT_I8
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q8_0 weight, Q(x) x's rows quantized to int8 per 32-k block
+// (llama.cpp's activations; see quant_gemv_i8's section). x [M, K] float32 or bf16 (contiguous rows, any row stride);
+// bias [N] (added in float32); out_dtype float32 or bf16 (rounded once, at the end). A row's result is the same bits
+// whatever M. AVX512-VNNI + VBMI builds only (has_quant_i8).
+torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
+                              c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype) {
+  using namespace quant_detail;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "quant_linear_i8: x must be float32 or bfloat16");
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0,
+              "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1 or Q8_0");
+  const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_i8");
+  torch::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "quant_linear_i8: bias must have N elements");
+    bf = bias->to(torch::kFloat32).contiguous();
+  }
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  if (M == 0) return y;
+#ifdef PAGEDSERVE_QUANT_I8
+  const int64_t nb = K / 32;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> dx;
+  thread_local std::vector<int32_t> sq;
+  q.resize(M * K);
+  dx.resize(M * nb);
+  sq.resize(M * nb);
+  dispatch_float_bf16(x, "quant_linear_i8", [&]<typename SX>() {
+    quantize_rows_i8<SX>(ptr<SX>(x), x.stride(0), M, K, q.data(), dx.data(), sq.data());
+  });
+  const XQ xq{q.data(), dx.data(), sq.data(), K, nb};
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const uint8_t* wp = p.data_ptr<uint8_t>();
+  dispatch_float_bf16(y, "quant_linear_i8", [&]<typename OT>() {
+    switch (type) {
+      case kQ4_0: quant_gemv_i8<kQ4_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+      case kQ4_1: quant_gemv_i8<kQ4_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+      default: quant_gemv_i8<kQ8_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+    }
+  });
+  return y;
+#else
+  (void)p;
+  TORCH_CHECK(false, "quant_linear_i8: this build has no AVX512-VNNI + VBMI");
+  return y;
+#endif
 }
 
 // The dequantized rows ids (any shape, int64; each below 16 * panels: rows of the padding are 0) -> [..., K].

@@ -1,0 +1,149 @@
+"""quant_linear_i8 (csrc/quant_gemm.cpp): Q4_0 / Q4_1 / Q8_0 blocks against activations quantized to int8 per
+32-k block -- llama.cpp's numerics, the opt-in `int8_activations` decode route.
+
+Its definition is exact: y = W . Q(x) (+ bias), W the float32 matrix gguf-py dequantizes, Q(x) each 32-k block of
+a row as dx * q with dx = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest-even (both divisions rounded
+once). The integer dot products are exact, so the kernel may differ from that product only by float32 summation
+order; one activation quantum off anywhere is ~1e3 times the tolerance below. The reference here is float64.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from test_quant_gemm import DTYPES, dequantize, random_blocks
+
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+IDS = [t.name for t in TYPES]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from pagedserve.kernels import CpuKernels
+
+    k = CpuKernels.build(int8_activations=True)
+    assert k is not None
+    if not k.quant_i8:
+        pytest.skip("quant_linear_i8 needs AVX512-VNNI + VBMI (this CPU has not both)")
+    return k
+
+
+def quantize_x(x: torch.Tensor) -> torch.Tensor:
+    """Q(x) in float64: per 32-k block dx * round_half_even(x * (127 / amax)), in float32 arithmetic as defined."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # torch's `127.0 / t` is 127 * (1 / t), two roundings: divide a tensor by a tensor for one.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    dx = amax / torch.full_like(amax, 127.0)
+    q = torch.round(xb * inv)
+    assert q.abs().max() <= 127
+    return (q.double() * dx.double()).reshape(x.shape)
+
+
+def check(kernels, x, raw, qtype, bias=None, out_dtype=torch.float32):
+    n = raw.shape[0]
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    y = kernels.quant_linear_i8(x, packed, int(qtype), n, bias, out_dtype)
+    w = dequantize(raw, qtype).double()
+    qx = quantize_x(x)
+    ref = qx @ w.T + (0 if bias is None else bias.double())
+    # float32 summation of exact block products: a few ulp of the sum of magnitudes.
+    scale = qx.abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    assert y.dtype == out_dtype and y.shape == (x.shape[0], n)
+    err = (y.double() - ref).abs()
+    assert (err <= 1e-6 * scale + 1e-30).all(), (err / scale.clamp_min(1e-30)).max().item()
+    return y, packed
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=["x32", "xbf16"])
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_i8_linear_is_the_weights_times_the_quantized_activations(kernels, qtype, x_dtype):
+    g = torch.Generator().manual_seed(1)
+    n, k = 45, 320  # a partial panel; 10 blocks
+    raw = random_blocks(qtype, n, k, seed=3)
+    bias = torch.randn(n, generator=g)
+    for m in (1, 2, 3, 4, 7):  # 7: past the few-rows limit, taken 4 rows at a time
+        x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m).unsqueeze(1)).to(x_dtype)
+        x[0, 32:64] = 0  # an all-zero block: dx = 0, contributes nothing (no NaN)
+        x[-1, 64:96] = torch.arange(32) - 16.0  # integers: x / dx lands on many exact ties
+        check(kernels, x, raw, qtype, bias if m % 2 else None)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_i8_linear_rounds_ties_to_even(kernels, qtype):
+    """Block max 127 * 2^-3: x * (127 / max) = 8 x exactly, so x = k/16 lands on the tie k/2 + 0.5 ... for odd k."""
+    k = 64
+    row = torch.zeros(k)
+    row[0] = 127 / 8
+    row[1:32] = (torch.arange(31) * 2 + 1) / 16 - 2.0  # odd sixteenths: 8 x = (2 i + 1) / 2 - 16, all ties
+    row[32:] = -row[:32]
+    raw = random_blocks(qtype, 16, k, seed=5)
+    check(kernels, row.unsqueeze(0), raw, qtype)
+    # The ties really are ties, and half-to-even differs from half-away-from-zero on them.
+    scaled = row[1:32] * 8
+    assert torch.equal(scaled - scaled.floor(), torch.full_like(scaled, 0.5))
+    assert not torch.equal(torch.round(scaled), torch.sign(scaled) * torch.floor(scaled.abs() + 0.5))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_i8_linear_on_blocks_gguf_py_quantized(kernels, qtype):
+    """Real-looking weights (gguf-py's quantizer) and activations: the result is W . Q(x), and Q(x)'s error against
+    the exact product is what quantizing x implies (at most half a quantum per element), no more."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 64, 576
+    w = torch.randn(n, k, generator=g) * 0.05
+    raw = gguf.quants.quantize(w.numpy(), qtype).view(np.uint8).reshape(n, -1)
+    x = torch.randn(2, k, generator=g).bfloat16()
+    y, _ = check(kernels, x, raw, qtype)
+    wd = dequantize(raw, qtype).double()
+    exact = x.double() @ wd.T
+    dx = x.float().reshape(2, -1, 32).abs().amax(-1).double() / 127  # [2, blocks]
+    bound = (dx.repeat_interleave(32, dim=1) / 2) @ wd.abs().T  # sum over k of dx_b / 2 * |w|
+    assert ((y.double() - exact).abs() <= bound * 1.0001 + 1e-6).all()
+    assert (y.double() - exact).abs().max() > 0  # quantized: not the exact product
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_i8_linear_rows_and_threads_do_not_change_bits(kernels, qtype):
+    """A row's output is one chain per output over the blocks: the same bits alone, in any batch of rows, with any
+    thread count, in bf16 out as its float32 result rounded once."""
+    g = torch.Generator().manual_seed(9)
+    n, k = 200, 256
+    raw = random_blocks(qtype, n, k, seed=11)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    x = torch.randn(6, k, generator=g).bfloat16()
+    y = kernels.quant_linear_i8(x, packed, int(qtype), n, None, torch.float32)
+    for i in range(6):
+        one = kernels.quant_linear_i8(x[i : i + 1], packed, int(qtype), n, None, torch.float32)
+        assert torch.equal(one[0], y[i]), i
+    yb = kernels.quant_linear_i8(x, packed, int(qtype), n, None, torch.bfloat16)
+    assert torch.equal(yb, y.bfloat16())
+    strided = torch.randn(6, k + 64, generator=g).bfloat16()
+    strided[:, :k] = x
+    assert torch.equal(kernels.quant_linear_i8(strided[:, :k], packed, int(qtype), n, None, torch.float32), y)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.quant_linear_i8(x, packed, int(qtype), n, None, torch.float32), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_i8_linear_bad_arguments_raise(kernels):
+    raw = torch.from_numpy(random_blocks(Q.Q5_0, 16, 64, seed=13))
+    packed = kernels.quant_pack(raw, int(Q.Q5_0))
+    with pytest.raises(RuntimeError, match="not Q4_0, Q4_1 or Q8_0"):
+        kernels.quant_linear_i8(torch.randn(1, 64), packed, int(Q.Q5_0), 16, None, torch.float32)
+    raw = torch.from_numpy(random_blocks(Q.Q8_0, 16, 64, seed=13))
+    packed = kernels.quant_pack(raw, int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="K the packed"):
+        kernels.quant_linear_i8(torch.randn(1, 96), packed, int(Q.Q8_0), 16, None, torch.float32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.quant_linear_i8(torch.randn(1, 64).half(), packed, int(Q.Q8_0), 16, None, torch.float32)
+
+
+def test_route_id(kernels):
+    assert dict(kernels.ext.matmul_routes())["quant_i8"] == 9
