@@ -1418,7 +1418,7 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
         for (int i = 0; i < 4; ++i) {  // planes 4 i .. 4 i + 3: low nibbles k = 4 i .., high nibbles k = 16 + 4 i ..
           const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(q + 64 * i));
           const __m512i lo = _mm512_and_si512(v, low4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          const __m512i hi = _mm512_andnot_si512(low4, v);  // 16 q: the sums come out 16 times, exactly
           PAGEDSERVE_UNROLL
           for (int r = 0; r < R; ++r) {
             int32_t a0, a1;
@@ -1436,7 +1436,7 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
       for (int r = 0; r < R; ++r) {
         const float dx = xq.dx[r * nb + b];
         const int32_t sq = xq.sq[r * nb + b];
-        __m512i s = _mm512_add_epi32(s0[r], s1[r]);
+        __m512i s = T == kQ8_0 ? _mm512_add_epi32(s0[r], s1[r]) : _mm512_add_epi32(s0[r], _mm512_srai_epi32(s1[r], 4));
         if constexpr (T == kQ4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * sq));
         if constexpr (T == kQ8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sq));
         __m512& cc = c[r * P + p];
