@@ -49,7 +49,8 @@ def rows(outdir: Path) -> list[dict]:
         w2i = _load(outdir / "pagedserve_w2_int8.json")
         if w2i and w2i.get("int8_activations"):
             out.append({"engine": f"pagedserve ({w2i['dtype']}, --int8-activations: llama.cpp's numerics)",
-                        "W1": None, "W2": w2i["decode_tokens_per_s"], "W3": None})
+                        "W1": None, "W2": w2i["decode_tokens_per_s"], "W3": None, "only": ["W2"],
+                        "int8_share": (w2i.get("roofline") or {}).get("share")})
         hf = [r and r.get("hf") for r in (w1, w2, w3)]
         if any(hf):
             out.append({"engine": f"HF transformers generate ({next(h for h in hf if h)['dtype']})",
@@ -89,15 +90,19 @@ def main() -> None:
     print("| engine | W1 output tok/s | W2 decode tok/s | W3 prompt tok/s |")
     print("|---|---|---|---|")
 
-    def f(x):
-        return "failed / not run" if not x else f"{x:,.1f}"
+    def f(r, k):
+        if "only" in r and k not in r["only"]:
+            return "—"
+        return "failed / not run" if not r[k] else f"{r[k]:,.1f}"
 
     for r in info["engines"]:
-        print(f"| {r['engine']} | {f(r['W1'])} | {f(r['W2'])} | {f(r['W3'])} |")
+        print(f"| {r['engine']} | {f(r, 'W1')} | {f(r, 'W2')} | {f(r, 'W3')} |")
     share = next((r["roofline_share"] for r in info["engines"] if "roofline_share" in r), None)
     if share:
         print()
-        print("pagedserve's share of the roofline: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items() if v))
+        int8 = next((r["int8_share"] for r in info["engines"] if r.get("int8_share")), None)
+        print("pagedserve's share of the roofline: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items() if v)
+              + (f"; W2 with --int8-activations {100 * int8:.0f}%" if int8 else ""))
 
 
 if __name__ == "__main__":
