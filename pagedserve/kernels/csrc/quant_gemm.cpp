@@ -1353,8 +1353,8 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
 // output is one float32 chain over the blocks in order, whatever M or the thread count: a row's result does not
 // depend on the batch. It is NOT the reference's result: Q(x) differs from x by up to dx / 2 per element (a
 // relative 0.4% of the block's largest), about what rounding x to bf16 does to each element -- so logits move a
-// little and greedy tokens may differ from the bf16 route's. Few rows only (decode): the many-rows routes stay
-// bf16 (prefill is compute-bound there, and quantizing activations would buy it nothing it needs).
+// little and greedy tokens may differ from the bf16 route's. Few rows only (decode, bound by reading and widening
+// the weights): prefill-sized matmuls keep the model's route (model/matmul.py decides).
 #if defined(PAGEDSERVE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define PAGEDSERVE_QUANT_I8 1
 
@@ -1376,8 +1376,6 @@ struct XQ {
   const int32_t* sq;
   int64_t K, nb;
 };
-
-inline bool i8_type(int64_t T) { return T == kQ4_0 || T == kQ4_1 || T == kQ8_0; }
 
 template <int64_t T, int R, int P>
 void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
