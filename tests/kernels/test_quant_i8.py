@@ -1,4 +1,4 @@
-"""quant_linear_i8 (csrc/quant_gemm.cpp): Q4_0 / Q4_1 / Q8_0 blocks against activations quantized to int8 per
+"""quant_linear_i8 (csrc/quant_gemm.cpp): Q4_0 / Q4_1 / Q8_0 / Q4_K blocks against activations quantized to int8 per
 32-k block -- llama.cpp's numerics, the opt-in `int8_activations` decode route.
 
 Its definition is exact: y = W . Q(x) (+ bias), W the float32 matrix gguf-py dequantizes, Q(x) each 32-k block of
@@ -16,7 +16,7 @@ import torch
 from test_quant_gemm import DTYPES, dequantize, random_blocks
 
 Q = gguf.GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K]
 IDS = [t.name for t in TYPES]
 
 
@@ -62,7 +62,7 @@ def check(kernels, x, raw, qtype, bias=None, out_dtype=torch.float32):
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_i8_linear_is_the_weights_times_the_quantized_activations(kernels, qtype, x_dtype):
     g = torch.Generator().manual_seed(1)
-    n, k = 45, 320  # a partial panel; 10 blocks
+    n, k = 45, 512  # a partial panel; 16 blocks of 32 (two Q4_K blocks)
     raw = random_blocks(qtype, n, k, seed=3)
     bias = torch.randn(n, generator=g)
     for m in (1, 2, 3, 4, 7):  # 7: past the few-rows limit, taken 4 rows at a time
@@ -75,11 +75,12 @@ def test_i8_linear_is_the_weights_times_the_quantized_activations(kernels, qtype
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_i8_linear_rounds_ties_to_even(kernels, qtype):
     """Block max 127 * 2^-3: x * (127 / max) = 8 x exactly, so x = k/16 lands on the tie k/2 + 0.5 ... for odd k."""
-    k = 64
+    k = 256
     row = torch.zeros(k)
     row[0] = 127 / 8
     row[1:32] = (torch.arange(31) * 2 + 1) / 16 - 2.0  # odd sixteenths: 8 x = (2 i + 1) / 2 - 16, all ties
-    row[32:] = -row[:32]
+    row[32:64] = -row[:32]
+    row[64:] = row[:64].repeat(3)
     raw = random_blocks(qtype, 16, k, seed=5)
     check(kernels, row.unsqueeze(0), raw, qtype)
     # The ties really are ties, and half-to-even differs from half-away-from-zero on them.
@@ -88,7 +89,7 @@ def test_i8_linear_rounds_ties_to_even(kernels, qtype):
     assert not torch.equal(torch.round(scaled), torch.sign(scaled) * torch.floor(scaled.abs() + 0.5))
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])  # gguf-py: no Q4_K quantizer
 def test_i8_linear_on_blocks_gguf_py_quantized(kernels, qtype):
     """Real-looking weights (gguf-py's quantizer) and activations: the result is W . Q(x), and Q(x)'s error against
     the exact product is what quantizing x implies (at most half a quantum per element), no more."""
@@ -135,7 +136,7 @@ def test_i8_linear_rows_and_threads_do_not_change_bits(kernels, qtype):
 def test_i8_linear_bad_arguments_raise(kernels):
     raw = torch.from_numpy(random_blocks(Q.Q5_0, 16, 64, seed=13))
     packed = kernels.quant_pack(raw, int(Q.Q5_0))
-    with pytest.raises(RuntimeError, match="not Q4_0, Q4_1 or Q8_0"):
+    with pytest.raises(RuntimeError, match="not Q4_0, Q4_1, Q8_0 or Q4_K"):
         kernels.quant_linear_i8(torch.randn(1, 64), packed, int(Q.Q5_0), 16, None, torch.float32)
     raw = torch.from_numpy(random_blocks(Q.Q8_0, 16, 64, seed=13))
     packed = kernels.quant_pack(raw, int(Q.Q8_0))

@@ -1343,7 +1343,7 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
 
 // ---- int8 activations (AVX512-VNNI + VBMI): quant_linear_i8 ------------------------------------------------------
 //
-// llama.cpp's (and vLLM's GGUF kernels') numerics for Q4_0 / Q4_1 / Q8_0: each row of x is quantized to int8 per
+// llama.cpp's (and vLLM's GGUF kernels') numerics for Q4_0 / Q4_1 / Q8_0 / Q4_K: each row of x is quantized to int8 per
 // 32-k block (dx = max |x| / 127, q = x / dx rounded to nearest-even; an all-zero block has dx = 0), and the
 // result is the dequantized float32 weights times that quantized x: y = W . Q(x), Q(x) = dx * q. The weights'
 // quants meet the activations' in integer dot products (vpdpbusd: 4 unsigned bytes times 4 signed bytes per int32
@@ -1438,8 +1438,73 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
         if constexpr (T == kQ4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * sq));
         if constexpr (T == kQ8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sq));
         __m512& cc = c[r * P + p];
-        cc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), cc);
-        if constexpr (T == kQ4_1) cc = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(sq)), cc);
+        // pinned (common.h): the same grouping of d dx whatever the row count (see gemv_i8_q4k_panels)
+        cc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), pinned(_mm512_mul_ps(d, _mm512_set1_ps(dx))), cc);
+        if constexpr (T == kQ4_1) cc = _mm512_fmadd_ps(m, pinned(_mm512_set1_ps(dx * static_cast<float>(sq))), cc);
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
+}
+
+// Q4_K: a 256-k block of 8 sub-blocks of 32 k, each with a 6-bit scale sc and min mn (weight d sc q - dmin mn); the
+// sub-blocks 2 t and 2 t + 1 share 32 byte planes (low nibbles: 2 t, high: 2 t + 1). Per sub-block and output:
+// d sc dx (qw . qx) - dmin mn dx (sum qx), in the same steps as gemv_i8_panels.
+template <int R, int P>
+void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  constexpr int64_t pbb = 16 * quant_type(kQ4_K).block_bytes;  // a packed block: 256 k of 16 rows
+  const __m512i idx = _mm512_load_si512(kPlaneIdx.v);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 c[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
+  const int64_t nb = xq.nb;
+  for (int64_t sb = 0; sb < xq.K / 256; ++sb) {
+    for (int t = 0; t < 4; ++t) {  // the sub-block pair (2 t, 2 t + 1): 64 k
+      prefetch_stream(panel, (sb * 4 + t) * P * (pbb / 4), P * (pbb / 4));
+      PAGEDSERVE_UNROLL
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* pb = panel + p * pstride + sb * pbb;
+        const uint8_t* q = pb + 256 + t * 32 * 16;
+        const int64_t b0 = sb * 8 + 2 * t;  // x's 32-k block of sub-block 2 t
+        __m512i s0[R], s1[R];
+        PAGEDSERVE_UNROLL
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+        PAGEDSERVE_UNROLL
+        for (int i = 0; i < 8; ++i) {  // planes 4 i .. 4 i + 3: k = 4 i .. 4 i + 3 of both sub-blocks
+          const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(q + 64 * i));
+          const __m512i lo = _mm512_and_si512(v, low4);
+          const __m512i hi = _mm512_andnot_si512(low4, v);  // 16 q, as in gemv_i8_panels
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            int32_t a0, a1;
+            std::memcpy(&a0, xq.q + r * xq.K + b0 * 32 + 4 * i, 4);
+            std::memcpy(&a1, xq.q + r * xq.K + (b0 + 1) * 32 + 4 * i, 4);
+            s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(a0));
+            s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(a1));
+          }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
+        PAGEDSERVE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          __m128i sc, mn;
+          k_scale_min16(pb + 64, 2 * t + h, sc, mn);
+          // Each factor pinned (common.h): -ffast-math may otherwise regroup d sc dx per row count differently,
+          // and a row's bits would depend on the batch.
+          const __m512 scale = pinned(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc))));
+          const __m512 mins = pinned(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const float dx = xq.dx[r * nb + b0 + h];
+            const int32_t sq = xq.sq[r * nb + b0 + h];
+            const __m512i s = h ? _mm512_srai_epi32(s1[r], 4) : s0[r];
+            __m512& cc = c[r * P + p];
+            cc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), pinned(_mm512_mul_ps(scale, _mm512_set1_ps(dx))), cc);
+            cc = _mm512_fnmadd_ps(mins, pinned(_mm512_set1_ps(dx * static_cast<float>(sq))), cc);
+          }
+        }
       }
     }
   }
@@ -1449,6 +1514,15 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
 
 template <int64_t T, int P>
 inline void gemv_i8_rows(int64_t R, const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  if constexpr (T == kQ4_K) {
+    switch (R) {
+      case 1: gemv_i8_q4k_panels<1, P>(xq, panel, pstride, acc); break;
+      case 2: gemv_i8_q4k_panels<2, P>(xq, panel, pstride, acc); break;
+      case 3: gemv_i8_q4k_panels<3, P>(xq, panel, pstride, acc); break;
+      default: gemv_i8_q4k_panels<4, P>(xq, panel, pstride, acc); break;
+    }
+    return;
+  }
   switch (R) {
     case 1: gemv_i8_panels<T, 1, P>(xq, panel, pstride, acc); break;
     case 2: gemv_i8_panels<T, 2, P>(xq, panel, pstride, acc); break;
@@ -1491,7 +1565,7 @@ void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, 
 template <int64_t T, typename OT>
 void quant_gemv_i8(const XQ& xq, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N) {
   constexpr QuantType t = quant_type(T);
-  const int64_t panels = (N + 15) / 16, pstride = 16 * xq.nb * t.block_bytes;
+  const int64_t panels = (N + 15) / 16, pstride = 16 * (xq.K / t.block_size) * t.block_bytes;
   for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {  // rows past 4: again, 4 at a time (the same chains per row)
     const int64_t mr = std::min<int64_t>(kGemvRows, M - m0);
     const XQ part{xq.q + m0 * xq.K, xq.dx + m0 * xq.nb, xq.sq + m0 * xq.nb, xq.K, xq.nb};
@@ -1721,7 +1795,7 @@ bool has_quant_i8() {
 #endif
 }
 
-// y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q8_0 weight, Q(x) x's rows quantized to int8 per 32-k block
+// y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q8_0 / Q4_K weight, Q(x) x's rows quantized to int8 per 32-k block
 // (llama.cpp's activations; see quant_gemv_i8's section). x [M, K] float32 or bf16 (contiguous rows, any row stride);
 // bias [N] (added in float32); out_dtype float32 or bf16 (rounded once, at the end). A row's result is the same bits
 // whatever M. AVX512-VNNI + VBMI builds only (has_quant_i8).
@@ -1730,8 +1804,8 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   using namespace quant_detail;
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "quant_linear_i8: x must be float32 or bfloat16");
-  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0,
-              "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1 or Q8_0");
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K,
+              "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1, Q8_0 or Q4_K");
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_i8");
   torch::Tensor bf;
   if (bias.has_value() && bias->defined()) {
@@ -1759,6 +1833,7 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
     switch (type) {
       case kQ4_0: quant_gemv_i8<kQ4_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ4_1: quant_gemv_i8<kQ4_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+      case kQ4_K: quant_gemv_i8<kQ4_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       default: quant_gemv_i8<kQ8_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
     }
   });

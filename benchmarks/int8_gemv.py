@@ -1,0 +1,44 @@
+"""One decode-sized matmul (1 row of bf16 activations) over random GGUF blocks, bf16 route (quant_linear_bf16) against
+the int8-activation route (quant_linear_i8, --int8-activations), each called in a loop with its blocks in cache: the
+kernels' compute.
+
+    python benchmarks/int8_gemv.py [TYPE:N:K ...]     # default Q4_K:640:2048 Q4_K:4096:4096 Q4_1:4096:4096
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from test_quant_gemm import random_blocks  # noqa: E402
+
+from pagedserve.kernels.build import load_extension  # noqa: E402
+
+
+def main() -> None:
+    ext = load_extension()
+    shapes = sys.argv[1:] or ["Q4_K:640:2048", "Q4_K:4096:4096", "Q4_1:4096:4096"]
+    for spec in shapes:
+        name, n, k = spec.split(":")
+        qt, n, k = gguf.GGMLQuantizationType[name], int(n), int(k)
+        packed = ext.quant_pack(torch.from_numpy(random_blocks(qt, n, k, seed=1)), int(qt))
+        x = torch.randn(1, k).bfloat16()
+        for route in ("quant_linear_bf16", "quant_linear_i8"):
+            fn = getattr(ext, route)
+            for _ in range(10):
+                fn(x, packed, int(qt), n, k, None, torch.bfloat16)
+            reps = max(10, int(3e8 / packed[0].numel()))
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn(x, packed, int(qt), n, k, None, torch.bfloat16)
+            dt = (time.perf_counter() - t) / reps
+            print(f"{name} {n} x {k} {route}: {dt * 1e6:.1f} us, {packed[0].numel() / dt / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
