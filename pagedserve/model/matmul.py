@@ -297,10 +297,10 @@ class MatmulRoutes:
     def _quant(self, x: torch.Tensor, bias: torch.Tensor | None, route: Route = Route.QUANT) -> torch.Tensor:
         out_dtype = torch.float32 if self.float32_out else x.dtype
         k = self.kernels
-        fn = {Route.QUANT: k.quant_linear, Route.QUANT_BF16: k.quant_linear_bf16,
-              Route.QUANT_I8: k.quant_linear_i8}[route]
         if route == Route.QUANT_BF16:
-            x = x.to(torch.bfloat16)
+            fn, x = k.quant_linear_bf16, x.to(torch.bfloat16)
+        else:
+            fn = k.quant_linear_i8 if route == Route.QUANT_I8 else k.quant_linear
         if len(self.quant) == 1:
             p = self.quant[0]
             return fn(x, p.packed, p.type_id, p.n, bias, out_dtype)

@@ -1609,6 +1609,13 @@ const torch::Tensor& checked_packed(const std::vector<torch::Tensor>& packed, co
   return p;
 }
 
+// A matmul's bias (N elements, any float dtype) as contiguous float32, or an undefined tensor without one.
+torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, int64_t N, const char* what) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->numel() == N, what, ": bias must have N elements");
+  return bias->to(torch::kFloat32).contiguous();
+}
+
 // A matmul's arguments against its packed weight (x [M, K] with contiguous rows, N, out_dtype); returns the
 // packed tensor.
 const torch::Tensor& checked_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& packed, int64_t type,
@@ -1665,11 +1672,7 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, i
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear");
   const int64_t M = x.size(0);
   auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
-  torch::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "quant_linear: bias must have N elements");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const torch::Tensor bf = checked_bias(bias, N, "quant_linear");
   auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0) return y;
   const float* xp = xf.data_ptr<float>();
@@ -1723,11 +1726,7 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
   using namespace quant_detail;
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_linear_bf16: x must be bfloat16");
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_bf16");
-  torch::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "quant_linear_bf16: bias must have N elements");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const torch::Tensor bf = checked_bias(bias, N, "quant_linear_bf16");
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0) return y;
@@ -1807,11 +1806,7 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K,
               "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1, Q8_0 or Q4_K");
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_i8");
-  torch::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "quant_linear_i8: bias must have N elements");
-    bf = bias->to(torch::kFloat32).contiguous();
-  }
+  const torch::Tensor bf = checked_bias(bias, N, "quant_linear_i8");
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0) return y;
