@@ -4,6 +4,7 @@ many tokens each pair shares before the first difference.
 
     python benchmarks/greedy_agreement.py int8_activations=true            # against the default configuration
     python benchmarks/greedy_agreement.py dtype=float32 dtype=bfloat16     # two configurations
+    python benchmarks/greedy_agreement.py model=GGUF,int8_activations=true model=GGUF   # several keys: commas
 
 A value is parsed as true / false, an int, or kept as a string.
 """
@@ -21,13 +22,18 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibo
 
 
 def parse(spec: str | None) -> dict:
-    if not spec:
-        return {}
-    key, _, value = spec.partition("=")
-    low = value.lower()
-    if low in ("true", "false"):
-        return {key: low == "true"}
-    return {key: int(value)} if value.lstrip("-").isdigit() else {key: value}
+    """key=value[,key=value...] -> LLM keyword arguments."""
+    out: dict = {}
+    for item in (spec or "").split(","):
+        if not item:
+            continue
+        key, _, value = item.partition("=")
+        low = value.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        else:
+            out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
 
 
 def main() -> None:

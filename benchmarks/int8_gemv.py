@@ -2,7 +2,7 @@
 the int8-activation route (quant_linear_i8, --int8-activations), each called in a loop with its blocks in cache: the
 kernels' compute.
 
-    python benchmarks/int8_gemv.py [TYPE:N:K ...]     # default Q4_K:640:2048 Q4_K:4096:4096 Q4_1:4096:4096
+    python benchmarks/int8_gemv.py [TYPE:N:K ...]     # default: the shapes in DEFAULT
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ from test_quant_gemm import random_blocks  # noqa: E402
 
 from pagedserve.kernels.build import load_extension  # noqa: E402
 
+# Gemma 3 270M's decode matmuls by block type (Q5_0 gate/up, Q4_K o, Q6_K down) and 4,096-square ones of each type.
+DEFAULT = ["Q5_0:2048:640", "Q4_K:640:1024", "Q6_K:640:2048", "Q4_1:4096:4096", "Q5_0:4096:4096", "Q5_1:4096:4096",
+           "Q4_K:4096:4096", "Q6_K:4096:4096"]
+
 
 def main() -> None:
     ext = load_extension()
-    shapes = sys.argv[1:] or ["Q4_K:640:2048", "Q4_K:4096:4096", "Q4_1:4096:4096"]
+    shapes = sys.argv[1:] or DEFAULT
     for spec in shapes:
         name, n, k = spec.split(":")
         qt, n, k = gguf.GGMLQuantizationType[name], int(n), int(k)

@@ -11,8 +11,8 @@ of many rows is a GEMM bound by compute. So each weight gets two routes:
 One effective weight per matrix, whatever the batch: every route of a weight multiplies by the same
 values. float32: the exact (dequantized) weights on every route. bfloat16: their bf16 rounding on every
 route, so the GGUF GEMVs (which widen blocks to the exact float32 weights) serve float32 models only.
-The one opt-in exception is `int8_activations` (QUANT_I8): a few rows over Q4_0/Q4_1/Q8_0/Q4_K blocks read in
-place multiply the exact weights by their activations quantized to int8 per 32 (llama.cpp's numerics,
+The one opt-in exception is `int8_activations` (QUANT_I8): a few rows over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K
+blocks read in place multiply the exact weights by their activations quantized to int8 per 32 (llama.cpp's numerics,
 not the reference's), many rows keep the model's route; never in the strict mode.
 
 Two special cases:
@@ -67,8 +67,8 @@ GGUF_TYPE_IDS = {layout.name: t for t, layout in GGUF_BLOCK_LAYOUTS.items()}
 
 # Up to this many rows a matmul is a GEMV bound by reading the weight once (DecodeStack's limit too).
 GEMV_MAX_ROWS = 4
-# ggml type ids quant_linear_i8 reads (Q4_0, Q4_1, Q8_0, Q4_K).
-INT8_ACTIVATION_TYPES = frozenset({2, 3, 8, 12})
+# ggml type ids quant_linear_i8 reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K).
+INT8_ACTIVATION_TYPES = frozenset({2, 3, 6, 7, 8, 12, 14})
 # Rows above which a bf16 matmul is done in float32 on CPUs without native bf16 math (AVX2 only): there
 # the bf16 GEMM is emulated and ~3x slower than float32 once compute-bound, while for a few rows
 # (decode of few sequences) it is memory-bound and bf16's halved weight traffic wins ~3x.
@@ -87,7 +87,7 @@ class Route(enum.IntEnum):
     LINEAR_F32 = 6  # F.linear in float32 over a float32 copy of a bf16 weight (a bf16 LM head, many rows)
     QUANT = 7  # GGUF quantized blocks read in place at every row count (csrc/quant_gemm.cpp)
     QUANT_BF16 = 8  # the same blocks as bf16 weights against bf16 activations (AVX512-BF16: quant_linear_bf16)
-    QUANT_I8 = 9  # few rows: Q4_0/Q4_1/Q8_0/Q4_K blocks against int8-quantized activations (quant_linear_i8; opt-in)
+    QUANT_I8 = 9  # few rows: INT8_ACTIVATION_TYPES' blocks against int8 activations (quant_linear_i8; opt-in)
 
 
 @dataclass(slots=True)

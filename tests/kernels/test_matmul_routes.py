@@ -97,8 +97,8 @@ def test_int8_activations_is_opt_in_and_not_with_the_strict_mode():
 
 
 def test_int8_route_is_for_few_rows_of_its_block_types(kernels):
-    """QUANT_I8 takes the few-rows route of Q4_0/Q4_1/Q8_0 weights read in place when the kernels offer it, never
-    in the strict mode; many rows keep the model's route."""
+    """QUANT_I8 takes the few-rows route of weights read in place in the block types it has kernels for, when the
+    kernels offer it, never in the strict mode; many rows keep the model's route."""
     from pagedserve.model.matmul import QuantPart, Route
 
     _, (_, raw) = q4_1_weight()
@@ -109,3 +109,14 @@ def test_int8_route_is_for_few_rows_of_its_block_types(kernels):
         routes.setup(torch.empty(32, 64), km, pack=False, batch_hint=8, batch_invariant=strict)
         assert (routes.few_rows, routes.many_rows) == (want, Route.QUANT)
         assert routes.one_route == (want != Route.QUANT_I8)
+    # Q5_K has no int8 kernel: a matmul with such a part (alone, or beside an int8-capable one) keeps its route.
+    k5 = torch.randint(0, 256, (16, 176), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    k5[:, :4] = torch.tensor([0, 20, 0, 20], dtype=torch.uint8)  # d, dmin: small finite fp16
+    raw256 = torch.randint(0, 256, (16, 8 * 20), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    raw256.view(16, 8, 20)[:, :, :4] = torch.tensor([0, 20, 0, 20], dtype=torch.uint8)
+    for parts in ([QuantPart(13, kernels.quant_pack(k5, 13), 16)],
+                  [QuantPart(3, kernels.quant_pack(raw256, 3), 16), QuantPart(13, kernels.quant_pack(k5, 13), 16)]):
+        routes = MatmulRoutes()
+        routes.quant = parts
+        routes.setup(torch.empty(16 * len(parts), 256), k8, pack=False, batch_hint=8, batch_invariant=False)
+        assert routes.few_rows == Route.QUANT

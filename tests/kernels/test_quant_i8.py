@@ -1,5 +1,5 @@
-"""quant_linear_i8 (csrc/quant_gemm.cpp): Q4_0 / Q4_1 / Q8_0 / Q4_K blocks against activations quantized to int8 per
-32-k block -- llama.cpp's numerics, the opt-in `int8_activations` decode route.
+"""quant_linear_i8 (csrc/quant_gemm.cpp): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K blocks against activations
+quantized to int8 per 32-k block -- llama.cpp's numerics, the opt-in `int8_activations` decode route.
 
 Its definition is exact: y = W . Q(x) (+ bias), W the float32 matrix gguf-py dequantizes, Q(x) each 32-k block of
 a row as dx * q with dx = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest-even (both divisions rounded
@@ -16,7 +16,7 @@ import torch
 from test_quant_gemm import DTYPES, dequantize, random_blocks
 
 Q = gguf.GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
 IDS = [t.name for t in TYPES]
 
 
@@ -89,7 +89,10 @@ def test_i8_linear_rounds_ties_to_even(kernels, qtype):
     assert not torch.equal(torch.round(scaled), torch.sign(scaled) * torch.floor(scaled.abs() + 0.5))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])  # gguf-py: no Q4_K quantizer
+GGUF_PY_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]  # gguf-py has no K-quant quantizer
+
+
+@pytest.mark.parametrize("qtype", GGUF_PY_TYPES, ids=[t.name for t in GGUF_PY_TYPES])
 def test_i8_linear_on_blocks_gguf_py_quantized(kernels, qtype):
     """Real-looking weights (gguf-py's quantizer) and activations: the result is W . Q(x), and Q(x)'s error against
     the exact product is what quantizing x implies (at most half a quantum per element), no more."""
@@ -134,10 +137,10 @@ def test_i8_linear_rows_and_threads_do_not_change_bits(kernels, qtype):
 
 
 def test_i8_linear_bad_arguments_raise(kernels):
-    raw = torch.from_numpy(random_blocks(Q.Q5_0, 16, 64, seed=13))
-    packed = kernels.quant_pack(raw, int(Q.Q5_0))
-    with pytest.raises(RuntimeError, match="not Q4_0, Q4_1, Q8_0 or Q4_K"):
-        kernels.quant_linear_i8(torch.randn(1, 64), packed, int(Q.Q5_0), 16, None, torch.float32)
+    raw = torch.from_numpy(random_blocks(Q.Q5_K, 16, 256, seed=13))
+    packed = kernels.quant_pack(raw, int(Q.Q5_K))
+    with pytest.raises(RuntimeError, match="not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K"):
+        kernels.quant_linear_i8(torch.randn(1, 256), packed, int(Q.Q5_K), 16, None, torch.float32)
     raw = torch.from_numpy(random_blocks(Q.Q8_0, 16, 64, seed=13))
     packed = kernels.quant_pack(raw, int(Q.Q8_0))
     with pytest.raises(RuntimeError, match="K the packed"):

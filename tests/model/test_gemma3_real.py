@@ -133,3 +133,39 @@ def test_serve_answers_chat_with_the_supplied_gemma_template(engine):
 
     offline = engine_generate(engine, templated, SamplingParams(temperature=0, max_tokens=24))
     assert choice["message"]["content"] == offline
+
+
+def test_int8_activations_take_every_decode_matmul_of_the_file(gguf_path, llm, engine):
+    """--int8-activations on the file's Q4_K_M mix: every decode-sized matmul (Q5_0, Q8_0, Q4_K, Q6_K blocks, the
+    Q8_0 head too) takes the int8 route; while both engines have decoded the same tokens, each step's logits stay
+    within a few percent of the float32 route's (what 8-bit activations cost), not its bits."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.model.matmul import Route
+
+    llm8 = LLM(gguf_path, dtype="float32", max_model_len=2048, num_kv_blocks=256, int8_activations=True)
+    runner = llm8.engine.runner
+    if not runner.kernels.quant_i8:
+        pytest.skip("the int8 route needs AVX512-VNNI + VBMI")
+    routes = [r for r in runner.model.matmul_routes() if r.quant]
+    assert {p.type_id for r in routes for p in r.quant} == {6, 8, 12, 14}  # Q5_0, Q8_0, Q4_K, Q6_K
+    assert all(r.few_rows == Route.QUANT_I8 for r in routes)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    compared = 0
+    for prompt in PROMPTS:
+        runs = []
+        for e in (engine, llm8.engine):
+            steps: list[torch.Tensor] = []
+            e.runner.on_logits = lambda ids, logits, steps=steps: steps.append(logits[0].clone())
+            try:
+                out = (llm if e is engine else llm8).generate([prompt], params, use_tqdm=False)
+            finally:
+                e.runner.on_logits = None
+            runs.append((out[0].outputs[0].token_ids, steps))
+        (ref_tokens, ref_steps), (tokens, steps) = runs
+        for i, (a, b) in enumerate(zip(steps, ref_steps, strict=True)):
+            diff = (a - b).abs().max().item()
+            assert 0 < diff <= 0.05 * (b.max() - b.min()).item(), (prompt, i, diff)
+            compared += 1
+            if tokens[i] != ref_tokens[i]:
+                break  # the inputs part from here
+    assert compared >= 2 * len(PROMPTS)

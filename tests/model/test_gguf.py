@@ -338,8 +338,9 @@ def test_decode_stack_takes_many_sequences_over_gguf_blocks(tmp_path, uncached_g
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int8_activations_take_the_decode_matmuls_only(tmp_path, uncached_gguf, dtype):
-    """int8_activations (opt-in): the decode-sized matmuls over Q4_0/Q4_1/Q8_0 blocks quantize their activations
-    (route QUANT_I8), prefill-sized ones and other block types keep the model's route. DecodeStack runs the route
+    """int8_activations (opt-in): the decode-sized matmuls over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks quantize
+    their activations (route QUANT_I8), prefill-sized ones keep the model's route (other block types too:
+    test_matmul_routes). DecodeStack runs the route
     with the layer-by-layer path's bits; the logits stay within a small distance of the unquantized route's (what
     quantizing activations to 8 bits costs) but are not its bits."""
     from test_model_vs_hf import PagedSequences
@@ -352,16 +353,15 @@ def test_int8_activations_take_the_decode_matmuls_only(tmp_path, uncached_gguf, 
         pytest.skip("the int8 route needs AVX512-VNNI + VBMI")
     hf = _tiny_hf(tie=False, hidden=128)
     path = tmp_path / "q.gguf"
-    _tiny_gguf(path, hf, {"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1",
-                          "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0",
+    _tiny_gguf(path, hf, {"token_embd": "Q8_0", "attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_0",
+                          "attn_output": "Q4_0", "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q4_1",
                           "output.weight": "Q8_0"})
     lm = loader.load_model(str(path), dtype, kernels=kernels)
     routes = lm.model.setup_matmuls(kernels, pack=False, batch_hint=8)
     plain = Route.QUANT_BF16 if dtype == torch.bfloat16 and kernels.quant_bf16 else Route.QUANT
     by_type = {r.quant[0].type_id: r for r in routes}
-    for type_id in (2, 3, 8):  # Q4_0 (o), Q4_1 (qkv, gate_up), Q8_0 (the head)
+    for type_id in (2, 3, 6, 7, 8):  # Q4_0 (o), Q4_1 (down), Q5_0 (qkv), Q5_1 (gate_up), Q8_0 (the head)
         assert (by_type[type_id].few_rows, by_type[type_id].many_rows) == (Route.QUANT_I8, plain)
-    assert by_type[6].few_rows == by_type[6].many_rows == plain  # Q5_0 (down): no int8 kernel
     assert not lm.model._stack_any_rows  # two routes by row count: the stack takes a few sequences only
     rng = random.Random(7)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(6, 20))] for _ in range(3)]

@@ -1343,12 +1343,13 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
 
 // ---- int8 activations (AVX512-VNNI + VBMI): quant_linear_i8 ------------------------------------------------------
 //
-// llama.cpp's (and vLLM's GGUF kernels') numerics for Q4_0 / Q4_1 / Q8_0 / Q4_K: each row of x is quantized to int8 per
-// 32-k block (dx = max |x| / 127, q = x / dx rounded to nearest-even; an all-zero block has dx = 0), and the
-// result is the dequantized float32 weights times that quantized x: y = W . Q(x), Q(x) = dx * q. The weights'
-// quants meet the activations' in integer dot products (vpdpbusd: 4 unsigned bytes times 4 signed bytes per int32
-// lane; one lane per output row of a panel), exact, so per 32-k block and output:
+// llama.cpp's (and vLLM's GGUF kernels') numerics for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K: each row of x
+// is quantized to int8 per 32-k block (dx = max |x| / 127, q = x / dx rounded to nearest-even; an all-zero block has
+// dx = 0), and the result is the dequantized float32 weights times that quantized x: y = W . Q(x), Q(x) = dx * q.
+// The weights' quants meet the activations' in integer dot products (vpdpbusd: 4 unsigned bytes times 4 signed bytes
+// per int32 lane; one lane per output row of a panel), exact, so per 32-k block and output:
 //   Q4_1: d dx (qw . qx) + m dx (sum qx)      Q4_0: d dx (qw . qx - 8 sum qx)      Q8_0: d dx ((qw + 128) . qx - 128 sum qx)
+//   Q5_1, Q5_0: as Q4_1, Q4_0 with 5-bit qw and 16 for 8      Q4_K, Q6_K: per sub-block, see their kernels
 // (Q8_0's signed quants are biased to unsigned by flipping their top bit, the bias taken out again exactly). Every
 // output is one float32 chain over the blocks in order, whatever M or the thread count: a row's result does not
 // depend on the batch. It is NOT the reference's result: Q(x) differs from x by up to dx / 2 per element (a
@@ -1369,18 +1370,39 @@ struct PlaneIdx {
 };
 inline constexpr PlaneIdx kPlaneIdx{};
 
-// x quantized per 32-k block, row after row: q [M][K] int8, dx [M][nb], sq [M][nb] (sum of the block's q).
+// Q5_0 / Q5_1: vpmultishiftqb controls putting the fifth bit of k = 4 i + j (low nibbles; + 16: high nibbles) at bit 4
+// of byte j of each row's lane. The block's qh gathered by kPlaneIdx holds row r's 32 bits in lane r, two rows per
+// qword; a control byte selects 8 bits of its qword from that offset (mod 64), so offset k - 4 (+ 32 for odd rows)
+// puts bit k at bit 4 (the other 7 bits are masked off).
+struct Q5Ctrl {
+  alignas(64) uint8_t v[8][64];  // [2 i + half]
+  constexpr Q5Ctrl() : v() {
+    for (int i = 0; i < 4; ++i)
+      for (int half = 0; half < 2; ++half)
+        for (int r = 0; r < 16; ++r)
+          for (int j = 0; j < 4; ++j)
+            v[2 * i + half][4 * r + j] = static_cast<uint8_t>((32 * (r & 1) + 16 * half + 4 * i + j - 4) & 63);
+  }
+};
+inline constexpr Q5Ctrl kQ5Ctrl{};
+
+// x quantized per 32-k block, row after row: q [M][K] int8, dx [M][nb], sq [M][nb] (sum of the block's q), sq16
+// [M][2 nb] (the sums of each block's two 16-k halves: Q6_K's sub-blocks).
 struct XQ {
   const int8_t* q;
   const float* dx;
   const int32_t* sq;
+  const int32_t* sq16;
   int64_t K, nb;
 };
 
 template <int64_t T, int R, int P>
 void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
   constexpr int64_t pbb = 16 * quant_type(T).block_bytes;  // a packed block: 32 k of 16 rows
-  constexpr int64_t qoff = T == kQ4_1 ? 64 : 32;
+  constexpr int64_t qoff = T == kQ4_1 ? 64 : (T == kQ5_0 ? 96 : (T == kQ5_1 ? 128 : 32));
+  constexpr bool five = T == kQ5_0 || T == kQ5_1;
+  [[maybe_unused]] constexpr int64_t qhoff = T == kQ5_0 ? 32 : 64;
+  [[maybe_unused]] const __m512i bit4 = _mm512_set1_epi8(0x10);
   const __m512i idx = _mm512_load_si512(kPlaneIdx.v);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 c[R * P];
@@ -1412,11 +1434,21 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
           }
         }
       } else {
+        [[maybe_unused]] __m512i qh;
+        if constexpr (five) qh = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pb + qhoff));  // lane r: row r's bits
         PAGEDSERVE_UNROLL
         for (int i = 0; i < 4; ++i) {  // planes 4 i .. 4 i + 3: low nibbles k = 4 i .., high nibbles k = 16 + 4 i ..
           const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(q + 64 * i));
-          const __m512i lo = _mm512_and_si512(v, low4);
-          const __m512i hi = _mm512_andnot_si512(low4, v);  // 16 q: the sums come out 16 times, exactly
+          __m512i lo = _mm512_and_si512(v, low4);
+          __m512i hi;
+          if constexpr (five) {  // q = nibble + 16 * fifth bit: 0 .. 31
+            const __m512i h0 = _mm512_multishift_epi64_epi8(_mm512_load_si512(kQ5Ctrl.v[2 * i]), qh);
+            const __m512i h1 = _mm512_multishift_epi64_epi8(_mm512_load_si512(kQ5Ctrl.v[2 * i + 1]), qh);
+            lo = _mm512_or_si512(lo, _mm512_and_si512(h0, bit4));
+            hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_and_si512(h1, bit4));
+          } else {
+            hi = _mm512_andnot_si512(low4, v);  // 16 q: the sums come out 16 times, exactly
+          }
           PAGEDSERVE_UNROLL
           for (int r = 0; r < R; ++r) {
             int32_t a0, a1;
@@ -1429,18 +1461,22 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
       [[maybe_unused]] __m512 m;
-      if constexpr (T == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
+      if constexpr (T == kQ4_1 || T == kQ5_1)
+        m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
       PAGEDSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         const float dx = xq.dx[r * nb + b];
         const int32_t sq = xq.sq[r * nb + b];
-        __m512i s = T == kQ8_0 ? _mm512_add_epi32(s0[r], s1[r]) : _mm512_add_epi32(s0[r], _mm512_srai_epi32(s1[r], 4));
+        __m512i s = T == kQ8_0 || five ? _mm512_add_epi32(s0[r], s1[r])
+                                       : _mm512_add_epi32(s0[r], _mm512_srai_epi32(s1[r], 4));
         if constexpr (T == kQ4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * sq));
+        if constexpr (T == kQ5_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(16 * sq));
         if constexpr (T == kQ8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sq));
         __m512& cc = c[r * P + p];
         // pinned (common.h): the same grouping of d dx whatever the row count (see gemv_i8_q4k_panels)
         cc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), pinned(_mm512_mul_ps(d, _mm512_set1_ps(dx))), cc);
-        if constexpr (T == kQ4_1) cc = _mm512_fmadd_ps(m, pinned(_mm512_set1_ps(dx * static_cast<float>(sq))), cc);
+        if constexpr (T == kQ4_1 || T == kQ5_1)
+          cc = _mm512_fmadd_ps(m, pinned(_mm512_set1_ps(dx * static_cast<float>(sq))), cc);
       }
     }
   }
@@ -1512,8 +1548,92 @@ void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
   for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
 }
 
+// Q6_K: a 256-k block of 16 sub-blocks of 16 k, each with an int8 scale sc (weight d sc (q - 32), q 6 bits: a nibble
+// of ql and two bits of qh). In each 128-k half h, the 4 byte planes of ql at 64 h + 4 i (low nibbles: x block 4 h,
+// high: 4 h + 2) and at 64 h + 32 + 4 i (4 h + 1, 4 h + 3) and those of qh at 32 h + 4 i (bits 2 g, 2 g + 1 for x block
+// 4 h + g) give k = 4 i .. 4 i + 3 of four 32-k blocks. Per 16-k sub-block and output, exactly in int32:
+// sc (qw . qx - 32 sum qx) (|.| < 2^23), then one FMA with d dx.
+template <int R, int P>
+void gemv_i8_q6k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  constexpr int64_t pbb = 16 * quant_type(kQ6_K).block_bytes;  // a packed block: 256 k of 16 rows
+  constexpr int64_t sc_off = 32, ql_off = 288, qh_off = 2336;
+  const __m512i idx = _mm512_load_si512(kPlaneIdx.v);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i two = _mm512_set1_epi8(0x30);
+  __m512 c[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
+  const int64_t nb = xq.nb;
+  for (int64_t sb = 0; sb < xq.K / 256; ++sb) {
+    for (int h = 0; h < 2; ++h) {
+      for (int s = 0; s < 2; ++s) {  // the 16-k sub-blocks: k = 16 s .. 16 s + 15 of each 32-k block
+        prefetch_stream(panel, (sb * 4 + h * 2 + s) * P * (pbb / 4), P * (pbb / 4));
+        PAGEDSERVE_UNROLL
+        for (int p = 0; p < P; ++p) {
+          const uint8_t* pb = panel + p * pstride + sb * pbb;
+          const int64_t b0 = sb * 8 + 4 * h;  // x's 32-k block of g = 0
+          __m512i a[R][4];
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r)
+            for (int g = 0; g < 4; ++g) a[r][g] = _mm512_setzero_si512();
+          PAGEDSERVE_UNROLL
+          for (int i = 4 * s; i < 4 * s + 4; ++i) {
+            const __m512i la = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pb + ql_off + 16 * (64 * h + 4 * i)));
+            const __m512i lb =
+                _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pb + ql_off + 16 * (64 * h + 32 + 4 * i)));
+            const __m512i hb = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pb + qh_off + 16 * (32 * h + 4 * i)));
+            // q = nibble | (two qh bits) << 4 (16-bit shifts: the bits a shift moves across bytes are masked off)
+            __m512i qv[4];
+            qv[0] = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), two));
+            qv[1] = _mm512_or_si512(_mm512_and_si512(lb, low4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), two));
+            qv[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(la, 4), low4), _mm512_and_si512(hb, two));
+            qv[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lb, 4), low4),
+                                    _mm512_and_si512(_mm512_srli_epi16(hb, 2), two));
+            PAGEDSERVE_UNROLL
+            for (int r = 0; r < R; ++r) {
+              PAGEDSERVE_UNROLL
+              for (int g = 0; g < 4; ++g) {
+                int32_t x4;
+                std::memcpy(&x4, xq.q + r * xq.K + (b0 + g) * 32 + 4 * i, 4);
+                a[r][g] = _mm512_dpbusd_epi32(a[r][g], qv[g], _mm512_set1_epi32(x4));
+              }
+            }
+          }
+          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
+          PAGEDSERVE_UNROLL
+          for (int g = 0; g < 4; ++g) {
+            const __m512i sc = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + sc_off + 16 * (8 * h + 2 * g + s))));
+            PAGEDSERVE_UNROLL
+            for (int r = 0; r < R; ++r) {
+              const int64_t b = b0 + g;
+              const __m512i t = _mm512_mullo_epi32(
+                  _mm512_sub_epi32(a[r][g], _mm512_set1_epi32(32 * xq.sq16[r * 2 * nb + 2 * b + s])), sc);
+              __m512& cc = c[r * P + p];
+              // pinned (common.h), as in gemv_i8_panels
+              cc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), pinned(_mm512_mul_ps(d, _mm512_set1_ps(xq.dx[r * nb + b]))),
+                                   cc);
+            }
+          }
+        }
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
+}
+
 template <int64_t T, int P>
 inline void gemv_i8_rows(int64_t R, const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  if constexpr (T == kQ6_K) {
+    switch (R) {
+      case 1: gemv_i8_q6k_panels<1, P>(xq, panel, pstride, acc); break;
+      case 2: gemv_i8_q6k_panels<2, P>(xq, panel, pstride, acc); break;
+      case 3: gemv_i8_q6k_panels<3, P>(xq, panel, pstride, acc); break;
+      default: gemv_i8_q6k_panels<4, P>(xq, panel, pstride, acc); break;
+    }
+    return;
+  }
   if constexpr (T == kQ4_K) {
     switch (R) {
       case 1: gemv_i8_q4k_panels<1, P>(xq, panel, pstride, acc); break;
@@ -1542,7 +1662,8 @@ inline float ieee_div(float a, float b) {
 
 // Rows of x (float32 or bf16, row stride xs) quantized per 32-k block into q / dx / sq (XQ's layout).
 template <typename SX>
-void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* sq) {
+void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* sq,
+                      int32_t* sq16) {
   const int64_t nb = K / 32;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -1557,7 +1678,10 @@ void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, 
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * 32), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
       dx[m * nb + b] = d;
-      sq[m * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      const int32_t h0 = _mm512_reduce_add_epi32(q0), h1 = _mm512_reduce_add_epi32(q1);
+      sq16[(m * nb + b) * 2] = h0;
+      sq16[(m * nb + b) * 2 + 1] = h1;
+      sq[m * nb + b] = h0 + h1;
     }
   }
 }
@@ -1568,7 +1692,7 @@ void quant_gemv_i8(const XQ& xq, const uint8_t* w, const float* bias, OT* y, int
   const int64_t panels = (N + 15) / 16, pstride = 16 * (xq.K / t.block_size) * t.block_bytes;
   for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {  // rows past 4: again, 4 at a time (the same chains per row)
     const int64_t mr = std::min<int64_t>(kGemvRows, M - m0);
-    const XQ part{xq.q + m0 * xq.K, xq.dx + m0 * xq.nb, xq.sq + m0 * xq.nb, xq.K, xq.nb};
+    const XQ part{xq.q + m0 * xq.K, xq.dx + m0 * xq.nb, xq.sq + m0 * xq.nb, xq.sq16 + m0 * 2 * xq.nb, xq.K, xq.nb};
     gemv_groups(mr, 2, panels, w, pstride, bias, y + m0 * N, N, [&](int np, int64_t p0, float* acc) {
       if (np == 2) {
         gemv_i8_rows<T, 2>(mr, part, w + p0 * pstride, pstride, acc);
@@ -1794,8 +1918,8 @@ bool has_quant_i8() {
 #endif
 }
 
-// y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q8_0 / Q4_K weight, Q(x) x's rows quantized to int8 per 32-k block
-// (llama.cpp's activations; see quant_gemv_i8's section). x [M, K] float32 or bf16 (contiguous rows, any row stride);
+// y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weight, Q(x) x's rows
+// quantized to int8 per 32-k block (llama.cpp's activations; see quant_gemv_i8's section). x [M, K] float32 or bf16 (contiguous rows, any row stride);
 // bias [N] (added in float32); out_dtype float32 or bf16 (rounded once, at the end). A row's result is the same bits
 // whatever M. AVX512-VNNI + VBMI builds only (has_quant_i8).
 torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
@@ -1803,8 +1927,9 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   using namespace quant_detail;
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "quant_linear_i8: x must be float32 or bfloat16");
-  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K,
-              "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1, Q8_0 or Q4_K");
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
+                  type == kQ6_K,
+              "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K");
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_i8");
   const torch::Tensor bf = checked_bias(bias, N, "quant_linear_i8");
   const int64_t M = x.size(0);
@@ -1814,21 +1939,25 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   const int64_t nb = K / 32;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> dx;
-  thread_local std::vector<int32_t> sq;
+  thread_local std::vector<int32_t> sq, sq16;
   q.resize(M * K);
   dx.resize(M * nb);
   sq.resize(M * nb);
+  sq16.resize(M * nb * 2);
   dispatch_float_bf16(x, "quant_linear_i8", [&]<typename SX>() {
-    quantize_rows_i8<SX>(ptr<SX>(x), x.stride(0), M, K, q.data(), dx.data(), sq.data());
+    quantize_rows_i8<SX>(ptr<SX>(x), x.stride(0), M, K, q.data(), dx.data(), sq.data(), sq16.data());
   });
-  const XQ xq{q.data(), dx.data(), sq.data(), K, nb};
+  const XQ xq{q.data(), dx.data(), sq.data(), sq16.data(), K, nb};
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const uint8_t* wp = p.data_ptr<uint8_t>();
   dispatch_float_bf16(y, "quant_linear_i8", [&]<typename OT>() {
     switch (type) {
       case kQ4_0: quant_gemv_i8<kQ4_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ4_1: quant_gemv_i8<kQ4_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+      case kQ5_0: quant_gemv_i8<kQ5_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+      case kQ5_1: quant_gemv_i8<kQ5_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ4_K: quant_gemv_i8<kQ4_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+      case kQ6_K: quant_gemv_i8<kQ6_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       default: quant_gemv_i8<kQ8_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
     }
   });
