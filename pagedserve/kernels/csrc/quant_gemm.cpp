@@ -1660,7 +1660,7 @@ inline float ieee_div(float a, float b) {
   return r;
 }
 
-// Rows of x (float32 or bf16, row stride xs) quantized per 32-k block into q / dx / sq (XQ's layout).
+// Rows of x (float32 or bf16, row stride xs) quantized per 32-k block into q / dx / sq / sq16 (XQ's layout).
 template <typename SX>
 void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* sq,
                       int32_t* sq16) {
@@ -1919,9 +1919,9 @@ bool has_quant_i8() {
 }
 
 // y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weight, Q(x) x's rows
-// quantized to int8 per 32-k block (llama.cpp's activations; see quant_gemv_i8's section). x [M, K] float32 or bf16 (contiguous rows, any row stride);
-// bias [N] (added in float32); out_dtype float32 or bf16 (rounded once, at the end). A row's result is the same bits
-// whatever M. AVX512-VNNI + VBMI builds only (has_quant_i8).
+// quantized to int8 per 32-k block (llama.cpp's activations; see quant_gemv_i8's section). x [M, K] float32 or bf16
+// (contiguous rows, any row stride); bias [N] (added in float32); out_dtype float32 or bf16 (rounded once, at the end).
+// A row's result is the same bits whatever M. AVX512-VNNI + VBMI builds only (has_quant_i8).
 torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                               c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype) {
   using namespace quant_detail;
