@@ -15,6 +15,7 @@ import collections
 import statistics
 import time
 
+import gguf
 import torch
 
 from pagedserve import LLM
@@ -31,8 +32,12 @@ def main() -> None:
     k = runner.kernels
     if k is None or not k.quant_i8 or not k.quant_bf16:
         raise SystemExit("needs the int8 route (AVX512-VNNI + VBMI) and the bf16 one (AVX512-BF16)")
-    calls = [(p, p.packed[0].shape[1] * 32 // (16 * {2: 18, 3: 20, 8: 34}[p.type_id]))
-             for r in runner.model.matmul_routes() if r.quant for p in r.quant]
+
+    def k_of(p) -> int:  # a packed row of 16 rows' blocks -> weights per row
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(p.type_id)]
+        return p.packed[0].shape[1] // (16 * block_bytes) * block_size
+
+    calls = [(p, k_of(p)) for r in runner.model.matmul_routes() if r.quant for p in r.quant]
     nbytes = sum(p.packed[0].numel() for p, _ in calls)
     print(f"{len(calls)} matmuls, {nbytes / 1e6:.1f} MB of blocks, {torch.get_num_threads()} threads")
     xs = {kk: torch.randn(1, kk).bfloat16() for _, kk in calls}
