@@ -225,33 +225,41 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         if cfg.embed_scale is not None:  # Gemma: in the model's dtype, as transformers does
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        rope = self.rotary.cos_sin(positions)
-        ropes = {"global": rope}
-        if self.rotary_local is not None:
-            ropes["local"] = self.rotary_local.cos_sin(positions)
         kernels = self.kernels if x.device.type == "cpu" else None
+        # Every row samples (decode steps): the indices are 0..T-1 (prepare_inputs lists them in increasing order).
+        all_rows = logits_indices is None or logits_indices.shape[0] == x.shape[0]
         if self._decode_stack_applies(backend, meta):
-            # A few decoding sequences: every layer in one C++ call (same kernels, same order).
+            # A few decoding sequences: every layer in one C++ call (same kernels, same order), the rotary tables
+            # looked up there and, when every row samples, the final norm applied there too.
             stack = self._decode_stack(kv_caches, backend.row_invariant)
-            local = ropes.get("local", (None, None))
-            x = stack.forward(x, rope[0], rope[1], meta.slot_mapping, meta.block_tables,
-                              meta.seq_lens, local[0], local[1])
+            local = self.rotary_local
+            x = stack.forward(x, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
+                              meta.seq_lens, None if local is None else local.cos, None if local is None else local.sin,
+                              positions=positions, final_norm=self.norm.weight if all_rows else None)
+            if not all_rows:
+                x = kernels.rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, cfg.spec.gemma_norms)
         else:
+            rope = self.rotary.cos_sin(positions)
+            ropes = {"global": rope}
+            if self.rotary_local is not None:
+                ropes["local"] = self.rotary_local.cos_sin(positions)
             backend.prepare(meta)  # once per step, for every layer (the stack needs none of it)
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, ropes, kv_cache, backend, meta, kernels)
             if residual is not None:
                 x = x + residual
-        if logits_indices is not None:
-            x = x[logits_indices]
-        if kernels is None:
-            x = self.norm(x)
-        else:
-            x = kernels.rms_norm(x, self.norm.weight, self.norm.eps, cfg.spec.gemma_norms)
+            if not all_rows:
+                x = x[logits_indices]
+            if kernels is None:
+                x = self.norm(x)
+            else:
+                x = kernels.rms_norm(x, self.norm.weight, self.norm.eps, cfg.spec.gemma_norms)
         head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
         weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        logits = head(x, weight, None).float()  # float32 already on the CPU routes; .float() elsewhere
+        logits = head(x, weight, None)
+        if logits.dtype != torch.float32:  # float32 already on the CPU routes
+            logits = logits.float()
         if self.tp is not None:  # each rank scored its slice of the vocabulary
             logits = self.tp.all_gather_last(logits)[:, : cfg.vocab_size]
         if cfg.final_logit_softcapping is not None:  # Gemma 2

@@ -122,11 +122,6 @@ class ModelRunner:
                 slots.append(table[p // bs] * bs + p % bs)
         starts_l = [0, *itertools.accumulate(query_lens)]
         max_blocks = max(len(t) for _, _, t in seqs)
-        input_ids = torch.tensor([t for s in sched for t in s.token_ids], dtype=torch.long)
-        positions = torch.tensor(positions_l, dtype=torch.long)
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
-        query_start_loc = torch.tensor(starts_l, dtype=torch.long)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, _, t in seqs], dtype=torch.long)
         if len(seqs) != len(sched):  # drafts: a request with k of them is scored at its last k + 1 positions
             rows, end = [], 0
             for s in sched:
@@ -135,18 +130,27 @@ class ModelRunner:
                     rows.extend(range(end - 1 - len(s.spec_token_ids), end))
         else:
             rows = [starts_l[i + 1] - 1 for i in self.sample_rows(out)]
-        logits_indices = torch.tensor(rows, dtype=torch.long)
+        # The 1-d int64 inputs as one tensor, split into views (one tensor op instead of six).
+        input_ids, positions, slot_mapping, query_start_loc, logits_indices, seq_lens_t = torch.tensor(
+            [t for s in sched for t in s.token_ids] + positions_l + slots + starts_l + rows + seq_lens,
+            dtype=torch.long,
+        ).split([len(positions_l), len(positions_l), len(slots), len(starts_l), len(rows), len(seq_lens)])
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, _, t in seqs], dtype=torch.long)
         dev = self.device
+        if dev != "cpu":
+            input_ids, positions, slot_mapping, query_start_loc, logits_indices, seq_lens_t, block_tables = (
+                t.to(dev) for t in (input_ids, positions, slot_mapping, query_start_loc, logits_indices, seq_lens_t,
+                                    block_tables))
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            query_start_loc=query_start_loc.to(dev),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens_t,
+            query_start_loc=query_start_loc,
             query_lens=query_lens,
             seq_lens_host=seq_lens,
             block_size=self.block_size,
         )
-        return input_ids.to(dev), positions.to(dev), meta, logits_indices.to(dev)
+        return input_ids, positions, meta, logits_indices
 
     def sample_rows(self, out: SchedulerOutput) -> list[int]:
         """Which scheduled rows sample a token this step (their chunk reaches the end of the known tokens)."""

@@ -386,6 +386,22 @@ def test_decode_stack_quant_route_is_the_fixed_route_over_the_dequantized_weight
             out = stack(7, how).forward(x[:b].clone(), *args)
             assert out.dtype == dtype and torch.equal(out, ref), (b, how)
 
+    # Whole rotary tables and the positions: the stack takes the rows Python's table[positions] takes; final_norm:
+    # the model's last norm over the result, the bits of rms_norm after the call (what llama.py did before).
+    table = torch.rand(40, D // 2, generator=g) * 6
+    cos_t, sin_t = table.cos(), table.sin()
+    tail = (slots, block_tables, seq_lens)
+    ref = stack(7).forward(x.clone(), cos_t[pos], sin_t[pos], *tail)
+    assert not torch.equal(ref, stack(7).forward(x.clone(), cos_t[pos + 1], sin_t[pos + 1], *tail))  # rows matter
+    assert torch.equal(stack(7).forward(x.clone(), cos_t, sin_t, *tail, positions=pos), ref)
+    w = (torch.rand(HIDDEN, generator=g) + 0.5).to(dtype)
+    normed = stack(7).forward(x.clone(), cos_t, sin_t, *tail, positions=pos, final_norm=w)
+    assert normed.dtype == dtype and torch.equal(normed, kernels.rms_norm(ref, w, 1e-6, False))
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        stack(7).forward(x.clone(), cos_t, sin_t, *tail, positions=torch.tensor([4, 40, 8]))
+    with pytest.raises(RuntimeError, match="positions must be"):
+        stack(7).forward(x.clone(), cos_t, sin_t, *tail, positions=pos[:2])
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_decode_stack_matmul_of_several_block_types(kernels, dtype):

@@ -307,7 +307,8 @@ def test_unsupported_type_in_model_raises(tmp_path, uncached_gguf):
 def test_decode_stack_takes_many_sequences_over_gguf_blocks(tmp_path, uncached_gguf, dtype):
     """Every layer matmul of a GGUF model read in place runs one route at every row count (the blocks' kernels;
     bf16 on AVX512-BF16 CPUs), so decode steps of more sequences than GEMV_MAX_ROWS run in DecodeStack as well,
-    with the bits of the layer-by-layer path (its fused SwiGLU included)."""
+    with the bits of the layer-by-layer path (its fused SwiGLU included); also a step where only some rows sample
+    (the stack applies the final norm itself only when every row does)."""
     from test_model_vs_hf import PagedSequences
 
     from pagedserve.kernels import CpuKernels
@@ -331,9 +332,12 @@ def test_decode_stack_takes_many_sequences_over_gguf_blocks(tmp_path, uncached_g
         steps = [run.step(prompts)]
         for _ in range(5):
             steps.append(run.step([[t] for t in steps[-1].argmax(-1).tolist()]))
-        runs.append(torch.stack(steps))
+        some = run.step([[t] for t in steps[-1].argmax(-1).tolist()], rows=[0, 2, n - 1])
+        assert some.shape == (3, 256)
+        runs.append((torch.stack(steps), some))
         assert (lm.model._stack is not None) == use_stack
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -50,8 +50,9 @@ class PagedSequences:
         self.tables: list[list[int]] = [[] for _ in range(num_seqs)]
         self.tokens: list[list[int]] = [[] for _ in range(num_seqs)]
 
-    def step(self, new: list[list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Append `new[i]` to sequence i (all in one flat batch); logits of each last token (or all)."""
+    def step(self, new: list[list[int]], all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+        """Append `new[i]` to sequence i (all in one flat batch); logits of each last token (or all, or of the flat
+        batch's `rows`, increasing)."""
         ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for i, toks in enumerate(new):
             start = len(self.tokens[i])
@@ -73,7 +74,7 @@ class PagedSequences:
         self.lm.model.set_kernels(self.kernels)  # the fixture's model is shared between backends
         with torch.inference_mode():
             return self.lm.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta,
-                                 None if all_logits else qsl[1:] - 1)
+                                 torch.tensor(rows) if rows is not None else None if all_logits else qsl[1:] - 1)
 
 
 # Phi-4-mini style: LongRoPE over a partial rotary (a quarter of each 16-dim head here: 4 frequencies).

@@ -131,10 +131,27 @@ class DecodeStack {
   // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32 (cos_local /
   // sin_local: the local_rope layers' table); slot_mapping [B]; block_tables [B, W]; seq_lens [B]. Returns the last
   // layer's output + residual.
+  // positions [B] int64: cos/sin (and cos_local/sin_local) are then whole [max_positions, D/2] tables, looked up here
+  // (the rows Python's table[positions] takes). final_norm: the model's last norm's weight, applied to the result
+  // (the bits of rms_norm over the returned rows). Both save a decode step a few Python-side tensor ops.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, c10::optional<torch::Tensor> cos_local,
-                        c10::optional<torch::Tensor> sin_local) {
+                        c10::optional<torch::Tensor> sin_local, c10::optional<torch::Tensor> positions,
+                        c10::optional<torch::Tensor> final_norm) {
     const int64_t B = x.size(0), D = layers_[0].k_cache.size(3), q_size = H_ * D;
+    if (positions) {
+      TORCH_CHECK(positions->dim() == 1 && positions->size(0) == B && positions->scalar_type() == torch::kInt64 &&
+                      positions->is_contiguous() && positions->device().is_cpu(),
+                  "DecodeStack: positions must be contiguous [B] int64 on the CPU");
+      const int64_t n = cos.size(0), *pos = positions->data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(pos[b] >= 0 && pos[b] < n, "DecodeStack: position ", pos[b], " is outside the rotary table (", n,
+                    " positions)");
+      cos = cos.index_select(0, *positions);
+      sin = sin.index_select(0, *positions);
+      if (cos_local) cos_local = cos_local->index_select(0, *positions);
+      if (sin_local) sin_local = sin_local->index_select(0, *positions);
+    }
     static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
     const torch::Tensor qsl = strict_attention_ ? torch::arange(B + 1, torch::kInt64) : no_rows;
     // The strict mode's row kernel has no sliding window: a layer with one must not cut any context (once a step).
@@ -168,6 +185,7 @@ class DecodeStack {
       h = l.down(gelu_ ? gelu_tanh_and_mul(l.gate_up(h)) : l.gate_up.silu(h));
       if (l.mlp_out_norm.defined()) h = rms_norm(h, l.mlp_out_norm, eps_, once_);
     }
+    if (final_norm) return rms_norm(h + residual, *final_norm, eps_, once_);
     return h + residual;
   }
 
@@ -212,7 +230,8 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("strict_attention") = false, py::arg("gelu") = false, py::arg("norm_once") = false)
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("cos_local") = py::none(),
-           py::arg("sin_local") = py::none(), py::call_guard<py::gil_scoped_release>());
+           py::arg("sin_local") = py::none(), py::arg("positions") = py::none(), py::arg("final_norm") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
   m.def("matmul_routes", []() {
     return std::vector<std::pair<std::string, int64_t>>{
         {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16},
