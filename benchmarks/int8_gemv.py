@@ -21,7 +21,7 @@ from pagedserve.kernels.build import load_extension  # noqa: E402
 
 # Gemma 3 270M's decode matmuls by block type (Q5_0 gate/up, Q4_K o, Q6_K down) and 4,096-square ones of each type.
 DEFAULT = ["Q5_0:2048:640", "Q4_K:640:1024", "Q6_K:640:2048", "Q4_1:4096:4096", "Q5_0:4096:4096", "Q5_1:4096:4096",
-           "Q4_K:4096:4096", "Q6_K:4096:4096"]
+           "Q4_K:4096:4096", "Q5_K:4096:4096", "Q6_K:4096:4096"]
 
 
 def main() -> None:

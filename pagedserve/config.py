@@ -95,7 +95,7 @@ class EngineConfig:
         "amx", "bf16 matmuls over GGUF blocks and the bf16 prefill attention on AMX tiles (CPUs with AMX; the "
         "whole process); off: AVX512-BF16 pair dot products")
     int8_activations: bool = _env_knob(
-        "int8_activations", "decode-sized matmuls over GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks read in place "
+        "int8_activations", "decode-sized matmuls over GGUF blocks read in place (every type: Q4_0 ... Q6_K) "
         "quantize the activations to int8 per 32 (llama.cpp's and vLLM's GGUF numerics: integer dot products, "
         "~2x faster single-stream decode; logits move by about a bf16 rounding and greedy tokens may differ from the "
         "reference's; AVX512-VNNI + VBMI CPUs, elsewhere ignored with a warning; not with the strict mode)")

@@ -44,8 +44,8 @@ class CpuKernels:
     quant_types: frozenset[int] = frozenset()
     # quant_linear_bf16: bf16 activations against the blocks' weights rounded to bf16 (AVX512-BF16 builds).
     quant_bf16: bool = False
-    # quant_linear_i8 for 1-4 rows over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks: activations quantized to int8 per
-    # 32 (llama.cpp's numerics; built with AVX512-VNNI + VBMI, and asked for: EngineConfig.int8_activations).
+    # quant_linear_i8 for 1-4 rows over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks: activations quantized to int8
+    # per 32 (llama.cpp's numerics; built with AVX512-VNNI + VBMI, and asked for: EngineConfig.int8_activations).
     quant_i8: bool = False
 
     @classmethod
@@ -176,7 +176,7 @@ class CpuKernels:
         return self.ext.quant_linear_bf16_silu(x, packed, type_id, n, x.shape[-1])
 
     def quant_linear_i8(self, x, packed, type_id: int, n: int, bias, out_dtype):
-        """W . Q(x) (+ bias) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks: x's rows (float32/bf16) quantized to
+        """W . Q(x) (+ bias) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks: x's rows (float32/bf16) quantized to
         int8 per 32-k block (dx = max|x| / 127, nearest-even), integer dot products against the quants, exact, then
         one float32 chain per output over the blocks: llama.cpp's activations, not the reference's result (needs
         `quant_i8`'s build; the same bits for a row whatever M)."""

@@ -11,7 +11,7 @@ of many rows is a GEMM bound by compute. So each weight gets two routes:
 One effective weight per matrix, whatever the batch: every route of a weight multiplies by the same
 values. float32: the exact (dequantized) weights on every route. bfloat16: their bf16 rounding on every
 route, so the GGUF GEMVs (which widen blocks to the exact float32 weights) serve float32 models only.
-The one opt-in exception is `int8_activations` (QUANT_I8): a few rows over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K
+The one opt-in exception is `int8_activations` (QUANT_I8): a few rows over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K
 blocks read in place multiply the exact weights by their activations quantized to int8 per 32 (llama.cpp's numerics,
 not the reference's), many rows keep the model's route; never in the strict mode.
 
@@ -67,8 +67,8 @@ GGUF_TYPE_IDS = {layout.name: t for t, layout in GGUF_BLOCK_LAYOUTS.items()}
 
 # Up to this many rows a matmul is a GEMV bound by reading the weight once (DecodeStack's limit too).
 GEMV_MAX_ROWS = 4
-# ggml type ids quant_linear_i8 reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K).
-INT8_ACTIVATION_TYPES = frozenset({2, 3, 6, 7, 8, 12, 14})
+# ggml type ids quant_linear_i8 reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): every type read in place.
+INT8_ACTIVATION_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 # Rows above which a bf16 matmul is done in float32 on CPUs without native bf16 math (AVX2 only): there
 # the bf16 GEMM is emulated and ~3x slower than float32 once compute-bound, while for a few rows
 # (decode of few sequences) it is memory-bound and bf16's halved weight traffic wins ~3x.

@@ -71,7 +71,7 @@ class ModelRunner:
             if few & {Route.GGUF_ROWS, Route.GGUF_R16}:
                 logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
             if Route.QUANT_I8 in few:
-                logger.info("int8_activations: decode-sized matmuls over GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K "
+                logger.info("int8_activations: decode-sized matmuls over GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K "
                             "blocks quantize their activations to int8 per 32 (llama.cpp's numerics, not the "
                             "reference's)")
 

@@ -96,9 +96,11 @@ def test_int8_activations_is_opt_in_and_not_with_the_strict_mode():
         EngineConfig(int8_activations=True, batch_invariant=True)
 
 
-def test_int8_route_is_for_few_rows_of_its_block_types(kernels):
+def test_int8_route_is_for_few_rows_of_its_block_types(kernels, monkeypatch):
     """QUANT_I8 takes the few-rows route of weights read in place in the block types it has kernels for, when the
     kernels offer it, never in the strict mode; many rows keep the model's route."""
+    from pagedserve.model import matmul
+    from pagedserve.model.loader import IN_PLACE_TYPES
     from pagedserve.model.matmul import QuantPart, Route
 
     _, (_, raw) = q4_1_weight()
@@ -109,14 +111,19 @@ def test_int8_route_is_for_few_rows_of_its_block_types(kernels):
         routes.setup(torch.empty(32, 64), km, pack=False, batch_hint=8, batch_invariant=strict)
         assert (routes.few_rows, routes.many_rows) == (want, Route.QUANT)
         assert routes.one_route == (want != Route.QUANT_I8)
-    # Q5_K has no int8 kernel: a matmul with such a part (alone, or beside an int8-capable one) keeps its route.
+    # Every block type read in place has an int8 kernel: Q5_K too, alone or beside another type. A part of a type
+    # without one (none today: the set is narrowed here) keeps the whole matmul on its route.
     k5 = torch.randint(0, 256, (16, 176), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     k5[:, :4] = torch.tensor([0, 20, 0, 20], dtype=torch.uint8)  # d, dmin: small finite fp16
     raw256 = torch.randint(0, 256, (16, 8 * 20), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
     raw256.view(16, 8, 20)[:, :, :4] = torch.tensor([0, 20, 0, 20], dtype=torch.uint8)
-    for parts in ([QuantPart(13, kernels.quant_pack(k5, 13), 16)],
-                  [QuantPart(3, kernels.quant_pack(raw256, 3), 16), QuantPart(13, kernels.quant_pack(k5, 13), 16)]):
-        routes = MatmulRoutes()
-        routes.quant = parts
-        routes.setup(torch.empty(16 * len(parts), 256), k8, pack=False, batch_hint=8, batch_invariant=False)
-        assert routes.few_rows == Route.QUANT
+    assert matmul.INT8_ACTIVATION_TYPES == IN_PLACE_TYPES
+    for narrowed in (False, True):
+        if narrowed:
+            monkeypatch.setattr(matmul, "INT8_ACTIVATION_TYPES", IN_PLACE_TYPES - {13})
+        for parts in ([QuantPart(13, kernels.quant_pack(k5, 13), 16)],
+                      [QuantPart(3, kernels.quant_pack(raw256, 3), 16), QuantPart(13, kernels.quant_pack(k5, 13), 16)]):
+            routes = MatmulRoutes()
+            routes.quant = parts
+            routes.setup(torch.empty(16 * len(parts), 256), k8, pack=False, batch_hint=8, batch_invariant=False)
+            assert routes.few_rows == (Route.QUANT if narrowed else Route.QUANT_I8)

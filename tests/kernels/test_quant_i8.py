@@ -1,5 +1,5 @@
-"""quant_linear_i8 (csrc/quant_gemm.cpp): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K blocks against activations
-quantized to int8 per 32-k block -- llama.cpp's numerics, the opt-in `int8_activations` decode route.
+"""quant_linear_i8 (csrc/quant_gemm.cpp): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks against
+activations quantized to int8 per 32-k block -- llama.cpp's numerics, the opt-in `int8_activations` decode route.
 
 Its definition is exact: y = W . Q(x) (+ bias), W the float32 matrix gguf-py dequantizes, Q(x) each 32-k block of
 a row as dx * q with dx = max|x| / 127 and q = x * (127 / max|x|) rounded to nearest-even (both divisions rounded
@@ -16,7 +16,7 @@ import torch
 from test_quant_gemm import DTYPES, dequantize, random_blocks
 
 Q = gguf.GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 IDS = [t.name for t in TYPES]
 
 
@@ -137,12 +137,10 @@ def test_i8_linear_rows_and_threads_do_not_change_bits(kernels, qtype):
 
 
 def test_i8_linear_bad_arguments_raise(kernels):
-    raw = torch.from_numpy(random_blocks(Q.Q5_K, 16, 256, seed=13))
-    packed = kernels.quant_pack(raw, int(Q.Q5_K))
-    with pytest.raises(RuntimeError, match="not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K"):
-        kernels.quant_linear_i8(torch.randn(1, 256), packed, int(Q.Q5_K), 16, None, torch.float32)
     raw = torch.from_numpy(random_blocks(Q.Q8_0, 16, 64, seed=13))
     packed = kernels.quant_pack(raw, int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K"):
+        kernels.quant_linear_i8(torch.randn(1, 64), packed, int(Q.Q2_K), 16, None, torch.float32)
     with pytest.raises(RuntimeError, match="K the packed"):
         kernels.quant_linear_i8(torch.randn(1, 96), packed, int(Q.Q8_0), 16, None, torch.float32)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):

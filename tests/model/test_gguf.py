@@ -342,7 +342,7 @@ def test_decode_stack_takes_many_sequences_over_gguf_blocks(tmp_path, uncached_g
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int8_activations_take_the_decode_matmuls_only(tmp_path, uncached_gguf, dtype):
-    """int8_activations (opt-in): the decode-sized matmuls over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K blocks quantize
+    """int8_activations (opt-in): the decode-sized matmuls over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks quantize
     their activations (route QUANT_I8), prefill-sized ones keep the model's route (other block types too:
     test_matmul_routes). DecodeStack runs the route
     with the layer-by-layer path's bits; the logits stay within a small distance of the unquantized route's (what

@@ -67,7 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_quant_i8", &pagedserve::has_quant_i8, "whether quant_linear_i8 is built (AVX512-VNNI + VBMI)");
   m.def("quant_linear_i8", &pagedserve::quant_linear_i8, py::arg("x"), py::arg("packed"), py::arg("type_id"),
         py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
-        "W . Q(x) (+ bias): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K blocks against x quantized to int8 per 32-k block (llama.cpp's "
+        "W . Q(x) (+ bias): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks against x quantized to int8 per 32-k block (llama.cpp's "
         "activations), integer dot products, one float32 chain per output");
   m.def("quant_embedding", &pagedserve::quant_embedding, py::arg("ids"), py::arg("packed"), py::arg("type_id"),
         py::arg("k"), py::arg("out_dtype"), "rows of the dequantized weight (gguf-py's float32 values, then cast)");

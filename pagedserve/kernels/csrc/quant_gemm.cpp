@@ -1343,13 +1343,13 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
 
 // ---- int8 activations (AVX512-VNNI + VBMI): quant_linear_i8 ------------------------------------------------------
 //
-// llama.cpp's (and vLLM's GGUF kernels') numerics for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K: each row of x
+// llama.cpp's (and vLLM's GGUF kernels') numerics for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K: each row of x
 // is quantized to int8 per 32-k block (dx = max |x| / 127, q = x / dx rounded to nearest-even; an all-zero block has
 // dx = 0), and the result is the dequantized float32 weights times that quantized x: y = W . Q(x), Q(x) = dx * q.
 // The weights' quants meet the activations' in integer dot products (vpdpbusd: 4 unsigned bytes times 4 signed bytes
 // per int32 lane; one lane per output row of a panel), exact, so per 32-k block and output:
 //   Q4_1: d dx (qw . qx) + m dx (sum qx)      Q4_0: d dx (qw . qx - 8 sum qx)      Q8_0: d dx ((qw + 128) . qx - 128 sum qx)
-//   Q5_1, Q5_0: as Q4_1, Q4_0 with 5-bit qw and 16 for 8      Q4_K, Q6_K: per sub-block, see their kernels
+//   Q5_1, Q5_0: as Q4_1, Q4_0 with 5-bit qw and 16 for 8      Q4_K, Q5_K, Q6_K: per sub-block, see their kernels
 // (Q8_0's signed quants are biased to unsigned by flipping their top bit, the bias taken out again exactly). Every
 // output is one float32 chain over the blocks in order, whatever M or the thread count: a row's result does not
 // depend on the batch. It is NOT the reference's result: Q(x) differs from x by up to dx / 2 per element (a
@@ -1484,14 +1484,20 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
   for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
 }
 
-// Q4_K: a 256-k block of 8 sub-blocks of 32 k, each with a 6-bit scale sc and min mn (weight d sc q - dmin mn); the
-// sub-blocks 2 t and 2 t + 1 share 32 byte planes (low nibbles: 2 t, high: 2 t + 1). Per sub-block and output:
-// d sc dx (qw . qx) - dmin mn dx (sum qx), in the same steps as gemv_i8_panels.
-template <int R, int P>
+// Q4_K / Q5_K: a 256-k block of 8 sub-blocks of 32 k, each with a 6-bit scale sc and min mn (weight d sc q - dmin mn);
+// the sub-blocks 2 t and 2 t + 1 share 32 byte planes (low nibbles: 2 t, high: 2 t + 1). Q5_K's fifth bit of k = 32 s
+// + l is bit s of its qh plane l (gathered as the quants are, then moved to bit 4 of each byte with 16-bit shifts
+// whose cross-byte bits the mask drops). Per sub-block and output: d sc dx (qw . qx) - dmin mn dx (sum qx), in the
+// same steps as gemv_i8_panels.
+template <int64_t T, int R, int P>
 void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
-  constexpr int64_t pbb = 16 * quant_type(kQ4_K).block_bytes;  // a packed block: 256 k of 16 rows
+  static_assert(T == kQ4_K || T == kQ5_K);
+  constexpr bool five = T == kQ5_K;
+  constexpr int64_t pbb = 16 * quant_type(T).block_bytes;  // a packed block: 256 k of 16 rows
+  constexpr int64_t qs_off = five ? 768 : 256, qh_off = 256;
   const __m512i idx = _mm512_load_si512(kPlaneIdx.v);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  [[maybe_unused]] const __m512i bit4 = _mm512_set1_epi8(0x10);
   __m512 c[R * P];
   PAGEDSERVE_UNROLL
   for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
@@ -1502,16 +1508,25 @@ void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
       PAGEDSERVE_UNROLL
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = panel + p * pstride + sb * pbb;
-        const uint8_t* q = pb + 256 + t * 32 * 16;
+        const uint8_t* q = pb + qs_off + t * 32 * 16;
         const int64_t b0 = sb * 8 + 2 * t;  // x's 32-k block of sub-block 2 t
+        [[maybe_unused]] const __m128i sh_lo = _mm_cvtsi32_si128(2 * t), sh_hi = _mm_cvtsi32_si128(2 * t + 1);
         __m512i s0[R], s1[R];
         PAGEDSERVE_UNROLL
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
         PAGEDSERVE_UNROLL
         for (int i = 0; i < 8; ++i) {  // planes 4 i .. 4 i + 3: k = 4 i .. 4 i + 3 of both sub-blocks
           const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(q + 64 * i));
-          const __m512i lo = _mm512_and_si512(v, low4);
-          const __m512i hi = _mm512_andnot_si512(low4, v);  // 16 q, as in gemv_i8_panels
+          __m512i lo = _mm512_and_si512(v, low4);
+          __m512i hi;
+          if constexpr (five) {  // q = nibble + 16 * (bit 2 t or 2 t + 1 of qh plane 4 i + j): 0 .. 31
+            const __m512i h = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pb + qh_off + 64 * i));
+            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srl_epi16(h, sh_lo), 4), bit4));
+            hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                                 _mm512_and_si512(_mm512_slli_epi16(_mm512_srl_epi16(h, sh_hi), 4), bit4));
+          } else {
+            hi = _mm512_andnot_si512(low4, v);  // 16 q, as in gemv_i8_panels
+          }
           PAGEDSERVE_UNROLL
           for (int r = 0; r < R; ++r) {
             int32_t a0, a1;
@@ -1535,7 +1550,7 @@ void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
           for (int r = 0; r < R; ++r) {
             const float dx = xq.dx[r * nb + b0 + h];
             const int32_t sq = xq.sq[r * nb + b0 + h];
-            const __m512i s = h ? _mm512_srai_epi32(s1[r], 4) : s0[r];
+            const __m512i s = h ? (five ? s1[r] : _mm512_srai_epi32(s1[r], 4)) : s0[r];
             __m512& cc = c[r * P + p];
             cc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), pinned(_mm512_mul_ps(scale, _mm512_set1_ps(dx))), cc);
             cc = _mm512_fnmadd_ps(mins, pinned(_mm512_set1_ps(dx * static_cast<float>(sq))), cc);
@@ -1634,12 +1649,12 @@ inline void gemv_i8_rows(int64_t R, const XQ& xq, const uint8_t* panel, int64_t 
     }
     return;
   }
-  if constexpr (T == kQ4_K) {
+  if constexpr (T == kQ4_K || T == kQ5_K) {
     switch (R) {
-      case 1: gemv_i8_q4k_panels<1, P>(xq, panel, pstride, acc); break;
-      case 2: gemv_i8_q4k_panels<2, P>(xq, panel, pstride, acc); break;
-      case 3: gemv_i8_q4k_panels<3, P>(xq, panel, pstride, acc); break;
-      default: gemv_i8_q4k_panels<4, P>(xq, panel, pstride, acc); break;
+      case 1: gemv_i8_q4k_panels<T, 1, P>(xq, panel, pstride, acc); break;
+      case 2: gemv_i8_q4k_panels<T, 2, P>(xq, panel, pstride, acc); break;
+      case 3: gemv_i8_q4k_panels<T, 3, P>(xq, panel, pstride, acc); break;
+      default: gemv_i8_q4k_panels<T, 4, P>(xq, panel, pstride, acc); break;
     }
     return;
   }
@@ -1918,7 +1933,7 @@ bool has_quant_i8() {
 #endif
 }
 
-// y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weight, Q(x) x's rows
+// y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weight, Q(x) x's rows
 // quantized to int8 per 32-k block (llama.cpp's activations; see quant_gemv_i8's section). x [M, K] float32 or bf16
 // (contiguous rows, any row stride); bias [N] (added in float32); out_dtype float32 or bf16 (rounded once, at the end).
 // A row's result is the same bits whatever M. AVX512-VNNI + VBMI builds only (has_quant_i8).
@@ -1928,8 +1943,8 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "quant_linear_i8: x must be float32 or bfloat16");
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-                  type == kQ6_K,
-              "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K");
+                  type == kQ5_K || type == kQ6_K,
+              "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K");
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_i8");
   const torch::Tensor bf = checked_bias(bias, N, "quant_linear_i8");
   const int64_t M = x.size(0);
@@ -1957,6 +1972,7 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
       case kQ5_0: quant_gemv_i8<kQ5_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ5_1: quant_gemv_i8<kQ5_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ4_K: quant_gemv_i8<kQ4_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+      case kQ5_K: quant_gemv_i8<kQ5_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ6_K: quant_gemv_i8<kQ6_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       default: quant_gemv_i8<kQ8_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
     }
