@@ -700,16 +700,6 @@ std::atomic<bool> g_amx_on{true};
 constexpr int64_t kBfPanels = 4;  // panels per group
 constexpr int64_t kBfRows = 6;    // rows per register tile
 
-// 16 float32 weights of k (rows 0-15) and of k + 1 -> one vector of 16 (w[r][k], w[r][k+1]) bf16 pairs.
-inline __m512i pair_bf16(__m256 a0, __m256 a1, __m256 b0, __m256 b1) {
-  const __m512 a = _mm512_insertf32x8(_mm512_castps256_ps512(a0), a1, 1);
-  const __m512 b = _mm512_insertf32x8(_mm512_castps256_ps512(b0), b1, 1);
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // [bf16(a_0..15), bf16(b_0..15)], nearest-even
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, both);
-}
-
 // The bf16 weights of the 32-k sub-block at k0 of one panel into out[(k - k0) / 2 * 32 + 2 r + k % 2] (16 pair
 // vectors, 1 KB: one AMX B tile).
 template <int64_t T>
@@ -768,54 +758,20 @@ inline void bf16_tile_any(int64_t R, int P, const uint16_t* x, int64_t xs, const
   }
 }
 
-// The few-rows kernel (M <= 4): the same chains with the weights widened and paired in registers (no buffer),
-// R rows x P panels over all of K.
-template <int64_t T, int R, int P>
-void gemv_bf16_panels(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
-  __m512 c[R * P];
-  PAGEDSERVE_UNROLL
-  for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    Widen<T> wd[P];
-    init_panels<T, P>(wd, panel, pstride, k0);
-    auto step = [&]<bool HI>(int i) {  // k = k0 + i, k0 + i + 1 (HI: + 16)
-      const int64_t k = k0 + (HI ? 16 + i : i);
-      __m512bh a[R];
-      PAGEDSERVE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * xs + k, 4);
-        a[r] = (__m512bh)_mm512_set1_epi32(pair);
-      }
-      PAGEDSERVE_UNROLL
-      for (int p = 0; p < P; ++p) {
-        __m256 a0, a1, b0, b1;
-        wd[p].template get<HI>(i, a0, a1);
-        wd[p].template get<HI>(i + 1, b0, b1);
-        const __m512bh wv = (__m512bh)pair_bf16(a0, a1, b0, b1);
-        PAGEDSERVE_UNROLL
-        for (int r = 0; r < R; ++r) c[r * P + p] = _mm512_dpbf16_ps(c[r * P + p], a[r], wv);
-      }
-    };
-    for (int i = 0; i < 16; i += 2) step.template operator()<false>(i);
-    for (int i = 0; i < 16; i += 2) step.template operator()<true>(i);
-  }
-  PAGEDSERVE_UNROLL
-  for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
-}
-
-// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K: the 16 k pairs of a 32-k sub-block of a packed block widened straight into
-// pair vectors with 512-bit ops (two byte planes side by side -> interleaved -> float32 -> scale -> bf16), about
-// half the work of Widen + pair_bf16 and the same values: the scale times q is exact in float32 (an fp16 d, times
-// a 6-bit K-quant scale, times at most 6 bits of q), so d * q (+ m, - dmin * min) rounds once either way (an fma
-// rounds the exact product plus m once, as Widen's mul then add does), then the same nearest-even bf16.
+// Every type read in place (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): the 16 k pairs of a 32-k sub-block of a
+// packed block widened straight into bf16 pair vectors with 512-bit ops (two byte planes side by side -> interleaved
+// -> float32 -> scale -> bf16), the values of the float32 route's Widen rounded to bf16: the scale times q is exact
+// in float32 (an fp16 d, times a 6-bit K-quant scale, times at most 6 bits of q), so d * q (+ m, - dmin * min) rounds
+// once either way (an fma rounds the exact product plus m once, as Widen's mul then add does), then nearest-even.
 template <int64_t T>
 struct FastPairs {
-  static constexpr bool kOk = T == kQ4_0 || T == kQ4_1 || T == kQ8_0 || T == kQ5_0 || T == kQ4_K || T == kQ6_K;
+  static constexpr bool kOk = T == kQ4_0 || T == kQ4_1 || T == kQ8_0 || T == kQ5_0 || T == kQ5_1 || T == kQ4_K ||
+                              T == kQ5_K || T == kQ6_K;
+  static constexpr bool kKScales = T == kQ4_K || T == kQ5_K;  // d * 6-bit scale, dmin * 6-bit min per sub-block
   const uint8_t* q;
-  const uint8_t* h;       // Q5_0, Q6_K: the high-bit planes
+  const uint8_t* h;       // Q5_0, Q5_1, Q5_K, Q6_K: the high-bit planes
   __m512 d0, d1, m0, m1;  // (scale_r, scale_r) for rows 0-7 and 8-15, and the mins (Q6_K: the second scale)
-  __m128i sh, hs;         // Q4_K, Q6_K: the nibble shift; Q6_K: the high bits' shift
+  __m128i sh, hs;         // Q4_K, Q5_K, Q6_K: the nibble shift; Q5_K, Q6_K: the high bits' shift
 
   // A 16-lane row vector -> (v_r, v_r) pairs for rows 0-7 and 8-15 (scales: times make's kUnit, exact).
   static inline void pairs(__m512 v, __m512& lo, __m512& hi) {
@@ -833,13 +789,15 @@ struct FastPairs {
     const uint8_t* pb = panel + (k0 / t.block_size) * 16 * t.block_bytes;
     const int s = static_cast<int>((k0 % t.block_size) / 32);
     const __m512 d = halves16(pb);
-    if constexpr (T == kQ4_K) {  // d * scale and dmin * min of sub-block s
+    if constexpr (kKScales) {  // d * scale and dmin * min of sub-block s
       __m128i sc, mn;
       k_scale_min16(pb + 64, s, sc, mn);
       pairs(_mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc))), _mm512_set1_ps(kUnit)), d0, d1);
       pairs(_mm512_mul_ps(halves16(pb + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))), m0, m1);
-      q = pb + 256 + (s / 2) * 32 * 16;
+      q = pb + (T == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
       sh = _mm_cvtsi32_si128(4 * (s & 1));
+      h = pb + 256;  // Q5_K: qh plane l holds the fifth bit of k = 32 s + l at bit s
+      hs = _mm_cvtsi32_si128(s);
       return;
     } else if constexpr (T == kQ6_K) {  // k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
       const __m512 du = _mm512_mul_ps(d, _mm512_set1_ps(kUnit));
@@ -855,6 +813,10 @@ struct FastPairs {
     if constexpr (T == kQ4_1) {
       pairs(halves16(pb + 32), m0, m1);
       q = pb + 64;
+    } else if constexpr (T == kQ5_1) {
+      pairs(halves16(pb + 32), m0, m1);
+      h = pb + 64;
+      q = pb + 128;
     } else if constexpr (T == kQ5_0) {
       h = pb + 32;
       q = pb + 96;
@@ -883,10 +845,10 @@ struct FastPairs {
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, top_bytes_idx(0), v));
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, top_bytes_idx(8), v));
     __m512 f0, f1;
-    if constexpr (T == kQ4_K) {  // d * scale * q - dmin * min
+    if constexpr (kKScales) {  // d * scale * q - dmin * min
       f0 = _mm512_fmsub_ps(q0, d0, m0);
       f1 = _mm512_fmsub_ps(q1, d1, m1);
-    } else if constexpr (T == kQ4_1) {  // d * q + m
+    } else if constexpr (T == kQ4_1 || T == kQ5_1) {  // d * q + m
       f0 = _mm512_fmadd_ps(q0, d0, m0);
       f1 = _mm512_fmadd_ps(q1, d1, m1);
     } else {  // signed: q, q - 8, q - 16, q - 32 (get took the offsets)
@@ -907,10 +869,10 @@ struct FastPairs {
     } else if constexpr (T == kQ6_K) {  // signed q - 32 already
       f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), second ? m0 : d0);
       f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), second ? m1 : d1);
-    } else if constexpr (T == kQ4_K) {  // d * scale * q - dmin * min
+    } else if constexpr (kKScales) {  // d * scale * q - dmin * min
       f0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r0)), d0, m0);
       f1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r1)), d1, m1);
-    } else {  // Q4_1: d * q + m
+    } else {  // Q4_1, Q5_1: d * q + m
       f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r0)), d0, m0);
       f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r1)), d1, m1);
     }
@@ -927,6 +889,11 @@ struct FastPairs {
       return make(load32(q + 2 * j * 16));
     } else if constexpr (T == kQ4_K) {  // byte plane k of the sub-block pair, this sub-block's nibble
       return make(_mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4));
+    } else if constexpr (T == kQ5_K) {  // and bit s of qh planes k at bit 4 (16-bit shifts: one bit per byte survives)
+      const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4);
+      const __m256i hi = _mm256_slli_epi16(
+          _mm256_and_si256(_mm256_srl_epi16(load32(h + 2 * j * 16), hs), _mm256_set1_epi8(0x01)), 4);
+      return make(_mm256_or_si256(nib, hi));
     } else if constexpr (T == kQ6_K) {  // low 4 bits from ql, bits 4-5 from qh, minus 32
       const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4);
       const __m256i hi = _mm256_slli_epi16(
@@ -936,12 +903,14 @@ struct FastPairs {
       const int jj = j & 7;  // byte planes 2 jj, 2 jj + 1: low nibbles k = 2 jj.., high nibbles k = 16 + 2 jj..
       const __m256i raw = load32(q + 2 * jj * 16);
       const __m256i nib = j < 8 ? _mm256_and_si256(raw, low4) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      if constexpr (T == kQ5_0) {
-        // q - 16 = nib where the high bit is set, else nib - 16. k = 2 j, 2 j + 1 take bits b, b + 1 (b = 2 j % 8)
-        // of qh byte plane j / 4: that plane in both halves, tested against those bits (one mask bit per byte).
+      if constexpr (T == kQ5_0 || T == kQ5_1) {
+        // Q5_0: q - 16 = nib where the high bit is set, else nib - 16; Q5_1: q = nib + 16 where it is set. k = 2 j,
+        // 2 j + 1 take bits b, b + 1 (b = 2 j % 8) of qh byte plane j / 4: that plane in both halves, tested against
+        // those bits (one mask bit per byte).
         const __m256i hp = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (j / 4) * 16)));
         const int b = (2 * j) % 8;
         const __m256i bit = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(2 << b)), _mm_set1_epi8(static_cast<char>(1 << b)));
+        if constexpr (T == kQ5_1) return make(_mm256_mask_add_epi8(nib, _mm256_test_epi8_mask(hp, bit), nib, _mm256_set1_epi8(16)));
         return make(_mm256_mask_sub_epi8(nib, _mm256_testn_epi8_mask(hp, bit), nib, _mm256_set1_epi8(16)));
       } else if constexpr (T == kQ4_0) {
         return make(_mm256_sub_epi8(nib, _mm256_set1_epi8(8)));
@@ -953,30 +922,15 @@ struct FastPairs {
 
 template <int64_t T>
 inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out) {
-  constexpr QuantType t = quant_type(T);
-  constexpr int64_t pbb = 16 * t.block_bytes;
-  if constexpr (FastPairs<T>::kOk) {
-    FastPairs<T> fp;
-    fp.init(panel, k0);
-    PAGEDSERVE_UNROLL
-    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.get(j));
-  } else {
-    Widen<T> wd;
-    wd.init(panel + (k0 / t.block_size) * pbb, static_cast<int>((k0 % t.block_size) / 32));
-    __m256 a0, a1, b0, b1;
-    for (int i = 0; i < 16; i += 2) {
-      wd.template get<false>(i, a0, a1);
-      wd.template get<false>(i + 1, b0, b1);
-      _mm512_storeu_si512(out + i * 16, pair_bf16(a0, a1, b0, b1));
-    }
-    for (int i = 0; i < 16; i += 2) {
-      wd.template get<true>(i, a0, a1);
-      wd.template get<true>(i + 1, b0, b1);
-      _mm512_storeu_si512(out + (16 + i) * 16, pair_bf16(a0, a1, b0, b1));
-    }
-  }
+  static_assert(FastPairs<T>::kOk);
+  FastPairs<T> fp;
+  fp.init(panel, k0);
+  PAGEDSERVE_UNROLL
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.get(j));
 }
 
+// The few-rows kernel (M <= 4): the same chains with the weights widened and paired in registers (no buffer),
+// R rows x P panels over all of K.
 template <int64_t T, int R, int P>
 void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
   constexpr QuantType t = quant_type(T);
@@ -1013,20 +967,11 @@ void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t
 template <int64_t T, int P>
 inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K,
                            float* acc) {
-  if constexpr (FastPairs<T>::kOk) {
-    switch (R) {
-      case 1: gemv_bf16_fast<T, 1, P>(x, xs, panel, pstride, K, acc); break;
-      case 2: gemv_bf16_fast<T, 2, P>(x, xs, panel, pstride, K, acc); break;
-      case 3: gemv_bf16_fast<T, 3, P>(x, xs, panel, pstride, K, acc); break;
-      default: gemv_bf16_fast<T, 4, P>(x, xs, panel, pstride, K, acc); break;
-    }
-    return;
-  }
   switch (R) {
-    case 1: gemv_bf16_panels<T, 1, P>(x, xs, panel, pstride, K, acc); break;
-    case 2: gemv_bf16_panels<T, 2, P>(x, xs, panel, pstride, K, acc); break;
-    case 3: gemv_bf16_panels<T, 3, P>(x, xs, panel, pstride, K, acc); break;
-    default: gemv_bf16_panels<T, 4, P>(x, xs, panel, pstride, K, acc); break;
+    case 1: gemv_bf16_fast<T, 1, P>(x, xs, panel, pstride, K, acc); break;
+    case 2: gemv_bf16_fast<T, 2, P>(x, xs, panel, pstride, K, acc); break;
+    case 3: gemv_bf16_fast<T, 3, P>(x, xs, panel, pstride, K, acc); break;
+    default: gemv_bf16_fast<T, 4, P>(x, xs, panel, pstride, K, acc); break;
   }
 }
 
