@@ -1431,9 +1431,8 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
 
 // Q4_K / Q5_K: a 256-k block of 8 sub-blocks of 32 k, each with a 6-bit scale sc and min mn (weight d sc q - dmin mn);
 // the sub-blocks 2 t and 2 t + 1 share 32 byte planes (low nibbles: 2 t, high: 2 t + 1). Q5_K's fifth bit of k = 32 s
-// + l is bit s of its qh plane l (gathered as the quants are, then moved to bit 4 of each byte with 16-bit shifts
-// whose cross-byte bits the mask drops). Per sub-block and output: d sc dx (qw . qx) - dmin mn dx (sum qx), in the
-// same steps as gemv_i8_panels.
+// + l is bit s of its qh plane l (gathered as the quants are, then rotated to bit 4 of each byte and masked). Per
+// sub-block and output: d sc dx (qw . qx) - dmin mn dx (sum qx), in the same steps as gemv_i8_panels.
 template <int64_t T, int R, int P>
 void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
   static_assert(T == kQ4_K || T == kQ5_K);
@@ -1455,7 +1454,9 @@ void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
         const uint8_t* pb = panel + p * pstride + sb * pbb;
         const uint8_t* q = pb + qs_off + t * 32 * 16;
         const int64_t b0 = sb * 8 + 2 * t;  // x's 32-k block of sub-block 2 t
-        [[maybe_unused]] const __m128i sh_lo = _mm_cvtsi32_si128(2 * t), sh_hi = _mm_cvtsi32_si128(2 * t + 1);
+        // Q5_K: rotating each 32-bit lane left by 4 - 2 t (3 - 2 t) brings bit 2 t (2 t + 1) of every byte to its bit 4.
+        [[maybe_unused]] const __m512i rot_lo = _mm512_set1_epi32((4 - 2 * t) & 31),
+                                       rot_hi = _mm512_set1_epi32((3 - 2 * t) & 31);
         __m512i s0[R], s1[R];
         PAGEDSERVE_UNROLL
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
@@ -1466,9 +1467,9 @@ void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
           __m512i hi;
           if constexpr (five) {  // q = nibble + 16 * (bit 2 t or 2 t + 1 of qh plane 4 i + j): 0 .. 31
             const __m512i h = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pb + qh_off + 64 * i));
-            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srl_epi16(h, sh_lo), 4), bit4));
-            hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                                 _mm512_and_si512(_mm512_slli_epi16(_mm512_srl_epi16(h, sh_hi), 4), bit4));
+            lo = _mm512_ternarylogic_epi32(lo, _mm512_rolv_epi32(h, rot_lo), bit4, 0xF8);  // lo | (rot & bit4)
+            hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_rolv_epi32(h, rot_hi),
+                                           bit4, 0xF8);
           } else {
             hi = _mm512_andnot_si512(low4, v);  // 16 q, as in gemv_i8_panels
           }
