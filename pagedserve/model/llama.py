@@ -236,8 +236,7 @@ class LlamaForCausalLM(nn.Module):
             x = stack.forward(x, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
                               meta.seq_lens, None if local is None else local.cos, None if local is None else local.sin,
                               positions=positions, final_norm=self.norm.weight if all_rows else None)
-            if not all_rows:
-                x = kernels.rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, cfg.spec.gemma_norms)
+            normed = all_rows
         else:
             rope = self.rotary.cos_sin(positions)
             ropes = {"global": rope}
@@ -249,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(x, residual, ropes, kv_cache, backend, meta, kernels)
             if residual is not None:
                 x = x + residual
+            normed = False
+        if not normed:
             if not all_rows:
                 x = x[logits_indices]
             if kernels is None:

@@ -796,8 +796,10 @@ struct FastPairs {
       pairs(_mm512_mul_ps(halves16(pb + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))), m0, m1);
       q = pb + (T == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
       sh = _mm_cvtsi32_si128(4 * (s & 1));
-      h = pb + 256;  // Q5_K: qh plane l holds the fifth bit of k = 32 s + l at bit s
-      hs = _mm_cvtsi32_si128(s);
+      if constexpr (T == kQ5_K) {  // qh plane l holds the fifth bit of k = 32 s + l at bit s
+        h = pb + 256;
+        hs = _mm_cvtsi32_si128(s);
+      }
       return;
     } else if constexpr (T == kQ6_K) {  // k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
       const __m512 du = _mm512_mul_ps(d, _mm512_set1_ps(kUnit));
