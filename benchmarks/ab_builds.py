@@ -1,4 +1,4 @@
-"""W1 or W2 on two builds of the C++ extension in ONE process, alternating, so that a noisy host's drift falls on
+"""W1, W2 or W3 on two builds of the C++ extension in ONE process, alternating, so that a noisy host's drift falls on
 both alike (these machines vary by up to 1.7x within minutes).
 
     python benchmarks/ab_builds.py A.so B.so --workload W2 --reps 6
@@ -6,7 +6,8 @@ both alike (these machines vary by up to 1.7x within minutes).
 A.so / B.so: extension builds, e.g. ~/.cache/torch_extensions/py311_cpu/pagedserve_cpu_<hash>/pagedserve_cpu_<hash>.so
 of two commits (an older commit's build: `git worktree add /tmp/old <commit>` and import pagedserve from there once).
 Each build gets its own engine (same model, same random prompts); W1 is 128 prompts of 128 ids, 128 out; W2 one
-request of 32 ids, 256 out, averaged over its decode steps. Prints both figures per repetition and the medians.
+request of 32 ids, 256 out, averaged over its decode steps; W3 16 prompts of 1,024 ids, 1 out (prompt tok/s). Prints
+both figures per repetition and the medians.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ def run_w1(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
     return len(prompts) * 128 / (time.perf_counter() - t)
 
 
+def run_w3(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
+    engine.reset_prefix_cache()
+    for j, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{j}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=1))
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return sum(len(p) for p in prompts) / (time.perf_counter() - t)
+
+
 def run_w2(engine: LLMEngine, prompt: list[int], tag: str) -> float:
     engine.reset_prefix_cache()
     engine.add_request(tag, {"prompt_token_ids": prompt},
@@ -59,7 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a")
     ap.add_argument("b")
-    ap.add_argument("--workload", choices=("W1", "W2"), default="W2")
+    ap.add_argument("--workload", choices=("W1", "W2", "W3"), default="W2")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
@@ -69,11 +81,13 @@ def main() -> None:
         kernels.load_extension = lambda arch="native", build=build: build  # what CpuKernels.build loads
         engines.append(LLMEngine(EngineConfig(dtype="auto", **({"model": args.model} if args.model else {}))))
     figures: list[list[float]] = [[], []]
-    unit = "output tok/s" if args.workload == "W1" else "decode tok/s"
+    unit = {"W1": "output tok/s", "W2": "decode tok/s", "W3": "prompt tok/s"}[args.workload]
     for rep in range(args.reps):
         for i, engine in enumerate(engines):
             if args.workload == "W1":
                 figures[i].append(run_w1(engine, random_prompts(128, 128, 0), f"r{rep}"))
+            elif args.workload == "W3":
+                figures[i].append(run_w3(engine, random_prompts(16, 1024, 0), f"r{rep}"))
             else:
                 figures[i].append(run_w2(engine, random_prompts(1, 32, rep)[0], f"r{rep}"))
         print(f"rep {rep}: A {figures[0][-1]:.1f}  B {figures[1][-1]:.1f} {unit}", flush=True)
