@@ -216,6 +216,28 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
 
 
 @needs_bf16
+def test_bf16_linear_cuts_rows_for_an_odd_number_of_groups(kernels, threads):
+    """With few panel groups that two threads cannot share evenly (3 here: 9 panels, the decode step's o and down
+    projections have 9) the vdpbf16ps route cuts the rows into more blocks; every row, in whichever block, gets the
+    bits it gets alone (the few-rows GEMV) and on one thread, and none is left out or written twice."""
+    assert kernels.ext.set_amx(False) is False
+    try:
+        qtype, n, k = Q.Q4_1, 144, 256
+        raw = random_blocks(qtype, n, k, seed=61)
+        packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+        x = torch.randn(131, k, generator=torch.Generator().manual_seed(62)).to(torch.bfloat16)
+        alone = torch.cat([kernels.quant_linear_bf16(x[i : i + 1], packed, int(qtype), n, None, torch.float32)
+                           for i in range(131)])
+        for m in (5, 6, 11, 12, 13, 64, 127, 131):
+            for t in (2, 1):
+                torch.set_num_threads(t)
+                y = kernels.quant_linear_bf16(x[:m], packed, int(qtype), n, None, torch.float32)
+                assert torch.equal(y, alone[:m]), (m, t)
+    finally:
+        kernels.ext.set_amx(True)
+
+
+@needs_bf16
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 def test_bf16_linear_of_many_rows_and_columns_gives_each_rows_own_bits(kernels, threads, bf16_route):
     """Past 1 MB of x the AMX route widens the weights into a buffer the threads share, a chunk of 4 MB of them

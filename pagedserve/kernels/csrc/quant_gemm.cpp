@@ -1241,9 +1241,18 @@ void quant_gemm_bf16_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const
                           int64_t N, int64_t K) {
   using PG = PanelGroups<T, OT, Silu>;
   const PG pg(w, bias, y, N, K);
-  // Row blocks of ~384 KB of x (at least one tile), so that each group's widening is shared by many rows.
-  const int64_t MB = std::max<int64_t>(kBfRows, (393216 / (2 * K)) / kBfRows * kBfRows);
-  const int64_t mblocks = (M + MB - 1) / MB;
+  // Row blocks of up to ~384 KB of x, so that each group's widening is shared by many rows, of equal size (in whole
+  // tiles): a block of a few leftover rows would run as a short item beside full ones. Few items (a decode step's
+  // small matrices: 9 or 15 groups) that the threads cannot share evenly leave one idle at the end (5 of 9 items on
+  // one of 2 threads: 10% of the matmul), so there the rows are cut into as many more blocks as make the item count a
+  // multiple of the thread count. (An output's chain is the same in any row block; a group whose items two threads
+  // share is widened by both.)
+  const int64_t nt = at::get_num_threads(), max_mb = std::max<int64_t>(kBfRows, 393216 / (2 * K));
+  int64_t mblocks = (M + max_mb - 1) / max_mb;
+  if (pg.groups * mblocks < 8 * nt)
+    while ((pg.groups * mblocks) % nt != 0 && (mblocks + 1) * kBfRows <= M) ++mblocks;
+  const int64_t MB = ((M + mblocks - 1) / mblocks + kBfRows - 1) / kBfRows * kBfRows;
+  mblocks = (M + MB - 1) / MB;
   at::parallel_for(0, pg.groups * mblocks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<uint16_t> bv;
     uint16_t* buf = align64(bv, PG::slots * K * 16);
