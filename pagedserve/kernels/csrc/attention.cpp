@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "amx.h"
@@ -1018,23 +1019,44 @@ inline void scores16(const uint16_t* kd, const uint32_t* qT, int64_t D, float* d
   for (int j = 0; j < 16; ++j) _mm512_store_ps(dst + j * 16, s[j]);
 }
 
+// acc + the pair dot products of w with the pair at byte Off of base broadcast to every lane (dpbf16_bcast with the
+// offset a constant of the instruction: GCC computes a separate address register for each of dpbf16_bcast's memory
+// operands, ~90 register moves and address computations per 256 dot products in pv16, where here one base register
+// serves them all). N: the bytes read from base, for the compiler's dependence on them.
+template <int Off, int N>
+__attribute__((always_inline)) inline __m512 dpbf16_at(__m512 acc, const void* base, __m512bh w) {
+  struct Bytes {
+    char b[N];
+  };
+  asm("vdpbf16ps %c[off](%[base])%{1to16%}, %[w], %[acc]"
+      : [acc] "+v"(acc)
+      : [base] "r"(base), [off] "i"(Off), [w] "v"(w), "m"(*static_cast<const Bytes*>(base)));
+  return acc;
+}
+// Key pair t of pv16: a[i] += V^T[d0 + i][pair t] . P^T[pair t] for the 16 d (v32: V^T row d0, 16 uint32 per row).
+template <int T, int... I>
+__attribute__((always_inline)) inline void pv16_pair(__m512* a, const uint32_t* v32, const uint32_t* pT,
+                                                     std::integer_sequence<int, I...>) {
+  const __m512bh pv = (__m512bh)_mm512_load_si512(pT + T * 16);
+  ((a[I] = dpbf16_at<(I * (kBlock / 2) + T) * 4, 16 * kBlock * 2>(a[I], v32, pv)), ...);
+}
+template <int... T>
+__attribute__((always_inline)) inline void pv16_pairs(__m512* a, const uint32_t* v32, const uint32_t* pT,
+                                                      std::integer_sequence<int, T...>) {
+  (pv16_pair<T>(a, v32, pT, std::make_integer_sequence<int, 16>{}), ...);
+}
+
 // O^T rows d0 .. d0 + 15 (acc [D][16]) times alpha where some lane's max grew, then += V^T P^T over the block's 16 key
 // pairs (V^T block vd [D][32 keys], so (key 2 t, 2 t + 1) of one d is one uint32, broadcast from memory).
 inline void pv16(const uint16_t* vd, const uint32_t* pT, int64_t d0, bool scale, __m512 alpha, float* acc) {
-  const uint32_t* v32 = reinterpret_cast<const uint32_t*>(vd);
   __m512 a[16];
   _Pragma("GCC unroll 16")
   for (int i = 0; i < 16; ++i) {
     a[i] = _mm512_load_ps(acc + (d0 + i) * 16);
     if (scale) a[i] = _mm512_mul_ps(a[i], alpha);
   }
-  _Pragma("GCC unroll 16")
-  for (int64_t t = 0; t < kBlock / 2; ++t) {
-    const __m512bh pv = (__m512bh)_mm512_load_si512(pT + t * 16);
-    _Pragma("GCC unroll 16")
-    for (int i = 0; i < 16; ++i)
-      a[i] = dpbf16_bcast(a[i], v32 + (d0 + i) * (kBlock / 2) + t, pv);
-  }
+  static_assert(kBlock == 32);
+  pv16_pairs(a, reinterpret_cast<const uint32_t*>(vd) + d0 * (kBlock / 2), pT, std::make_integer_sequence<int, 16>{});
   _Pragma("GCC unroll 16")
   for (int i = 0; i < 16; ++i) _mm512_store_ps(acc + (d0 + i) * 16, a[i]);
 }
