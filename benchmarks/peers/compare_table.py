@@ -13,6 +13,7 @@ engines run minutes apart, so the spread of a ratio over the rounds shows how mu
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import sys
@@ -123,7 +124,10 @@ def ratios(engines: list[dict]) -> dict[str, float]:
 
 
 def _fmt(key: str, v: float) -> str:
-    return f"{100 * v:.0f}%" if key.endswith("share") else f"{v:.2f}x"
+    # rounded down, so that a figure short of its goal never prints as the goal (74.99% is not 75%)
+    if key.endswith("share"):
+        return f"{math.floor(1000 * v + 1e-9) / 10:.1f}%"
+    return f"{math.floor(100 * v + 1e-9) / 100:.2f}x"
 
 
 def _print_machine(info: dict) -> None:
