@@ -1,0 +1,125 @@
+"""Where a standard workload's wall time goes, step by step: the engine's steps wrapped in timers (low overhead:
+perf_counter_ns around a handful of calls, no profiler), then per kind of step (prefill / mixed, pure decode) the
+mean time of the step, of the model's forward, of its C++ decode stack and LM head, and of the Python around them.
+
+    python benchmarks/step_times.py [--workload W1|W2] [--int8-activations] [--reps 1]
+
+W1: 128 prompts of 128 random token ids, 128 tokens each (one generate); W2: one 32-token prompt, 256 tokens
+(after a warm-up run). Greedy, ignore_eos, as `pagedserve bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+from pagedserve.entrypoints.cli.bench import random_prompts
+from pagedserve.entrypoints.llm import LLM
+from pagedserve.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("W1", "W2"), default="W1")
+    ap.add_argument("--int8-activations", action="store_true")
+    ap.add_argument("--reps", type=int, default=1)
+    args = ap.parse_args()
+    num, input_len, output_len = (128, 128, 128) if args.workload == "W1" else (1, 32, 256)
+    llm = LLM(int8_activations=args.int8_activations)
+    eng = llm.engine
+    cur: dict[str, int] = defaultdict(int)
+
+    def timed(obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def call(*a, **k):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                cur[key] += time.perf_counter_ns() - t
+
+        setattr(obj, name, call)
+
+    for obj, name in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (eng.runner, "prepare_inputs"),
+                      (eng.runner, "forward"), (eng.runner, "sample")):
+        timed(obj, name, name)
+    prepare = eng.runner.prepare_inputs
+
+    def counted_prepare(out):  # a decode step schedules one token per sequence
+        cur["decode"] = int(all(len(s.token_ids) == 1 for s in out.scheduled))
+        return prepare(out)
+
+    eng.runner.prepare_inputs = counted_prepare
+    model = eng.runner.model
+    stack = model._decode_stack(eng.runner.kv_caches, eng.runner.backend.row_invariant)
+
+    class TimedStack:  # the C++ DecodeStack's one call per decode step
+        def forward(self, *a, **k):
+            t = time.perf_counter_ns()
+            try:
+                return stack.forward(*a, **k)
+            finally:
+                cur["stack"] += time.perf_counter_ns() - t
+
+    timed_stack = TimedStack()
+    model._decode_stack = lambda *a, **k: timed_stack
+    class TimedHead:  # the LM head's matmul, called from Python after the stack
+        def __init__(self, routes) -> None:
+            self.routes = routes
+
+        def __call__(self, *a, **k):
+            t = time.perf_counter_ns()
+            try:
+                return self.routes(*a, **k)
+            finally:
+                cur["head"] += time.perf_counter_ns() - t
+
+    if model.lm_head is not None:
+        model.lm_head.routes = TimedHead(model.lm_head.routes)
+    else:
+        model.tied_head_routes = TimedHead(model.tied_head_routes)
+
+    steps: list[tuple[bool, int, dict[str, int]]] = []
+    step = eng.step
+
+    def timed_step():
+        cur.clear()
+        t = time.perf_counter_ns()
+        out = step()
+        steps.append((not cur.get("decode", 0), time.perf_counter_ns() - t, dict(cur)))
+        return out
+
+    eng.step = timed_step
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(num, input_len, 0)]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    for _ in range(args.reps):
+        eng.reset_prefix_cache()
+        steps.clear()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        print(f"{args.workload}{' --int8-activations' if args.int8_activations else ''}: {elapsed:.2f} s, "
+              f"{num * output_len / elapsed:.1f} output tok/s, {len(steps)} steps "
+              f"({elapsed - sum(s[1] for s in steps) / 1e9:.3f} s outside them)")
+        for kind, group in (("prefill / mixed", [s for s in steps if s[0]]),
+                            ("decode", [s for s in steps if not s[0]])):
+            if not group:
+                continue
+            n = len(group)
+
+            def mean(key: str, group=group, n=n) -> float:
+                return sum(s[2].get(key, 0) for s in group) / n / 1e3
+
+            step_us = sum(s[1] for s in group) / n / 1e3
+            fwd = mean("forward")
+            parts = " ".join(f"{k} {mean(k):.0f}" for k in ("schedule", "prepare_inputs", "sample", "update"))
+            print(f"  {kind}: {n} steps, {step_us:.0f} us/step: forward {fwd:.0f} (C++ stack {mean('stack'):.0f}, "
+                  f"head {mean('head'):.0f}, the rest {fwd - mean('stack') - mean('head'):.0f}); outside the forward "
+                  f"{step_us - fwd:.0f} ({parts})")
+
+
+if __name__ == "__main__":
+    main()
