@@ -2,10 +2,10 @@
 perf_counter_ns around a handful of calls, no profiler), then per kind of step (prefill / mixed, pure decode) the
 mean time of the step, of the model's forward, of its C++ decode stack and LM head, and of the Python around them.
 
-    python benchmarks/step_times.py [--workload W1|W2] [--int8-activations] [--reps 1]
+    python benchmarks/step_times.py [--workload W1|W2|W3] [--int8-activations] [--reps 1]
 
-W1: 128 prompts of 128 random token ids, 128 tokens each (one generate); W2: one 32-token prompt, 256 tokens
-(after a warm-up run). Greedy, ignore_eos, as `pagedserve bench`.
+W1: 128 prompts of 128 random token ids, 128 tokens each (one generate); W2: one 32-token prompt, 256 tokens;
+W3: 16 prompts of 1,024, one token each. Greedy, ignore_eos, after a warm-up request, as `pagedserve bench`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pagedserve.sampling_params import SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=("W1", "W2"), default="W1")
+    ap.add_argument("--workload", choices=("W1", "W2", "W3"), default="W1")
     ap.add_argument("--int8-activations", action="store_true")
     ap.add_argument("--reps", type=int, default=1)
     args = ap.parse_args()
-    num, input_len, output_len = (128, 128, 128) if args.workload == "W1" else (1, 32, 256)
+    num, input_len, output_len = {"W1": (128, 128, 128), "W2": (1, 32, 256), "W3": (16, 1024, 1)}[args.workload]
     llm = LLM(int8_activations=args.int8_activations)
     eng = llm.engine
     cur: dict[str, int] = defaultdict(int)
@@ -102,7 +102,8 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         print(f"{args.workload}{' --int8-activations' if args.int8_activations else ''}: {elapsed:.2f} s, "
-              f"{num * output_len / elapsed:.1f} output tok/s, {len(steps)} steps "
+              f"{num * output_len / elapsed:.1f} output tok/s, {num * input_len / elapsed:.1f} prompt tok/s, "
+              f"{len(steps)} steps "
               f"({elapsed - sum(s[1] for s in steps) / 1e9:.3f} s outside them)")
         for kind, group in (("prefill / mixed", [s for s in steps if s[0]]),
                             ("decode", [s for s in steps if not s[0]])):
