@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import types
 from collections import defaultdict
 
 from pagedserve.entrypoints.cli.bench import random_prompts
@@ -30,9 +31,8 @@ def main() -> None:
     eng = llm.engine
     cur: dict[str, int] = defaultdict(int)
 
-    def timed(obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
+    def timer(fn, key: str):
+        """fn, its time added to cur[key] at every call."""
         def call(*a, **k):
             t = time.perf_counter_ns()
             try:
@@ -40,11 +40,11 @@ def main() -> None:
             finally:
                 cur[key] += time.perf_counter_ns() - t
 
-        setattr(obj, name, call)
+        return call
 
     for obj, name in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (eng.runner, "prepare_inputs"),
                       (eng.runner, "forward"), (eng.runner, "sample")):
-        timed(obj, name, name)
+        setattr(obj, name, timer(getattr(obj, name), name))
     prepare = eng.runner.prepare_inputs
 
     def counted_prepare(out):  # a decode step schedules one token per sequence
@@ -53,33 +53,14 @@ def main() -> None:
 
     eng.runner.prepare_inputs = counted_prepare
     model = eng.runner.model
+    # The C++ DecodeStack's one call per decode step, and the LM head's matmul called from Python after it.
     stack = model._decode_stack(eng.runner.kv_caches, eng.runner.backend.row_invariant)
-
-    class TimedStack:  # the C++ DecodeStack's one call per decode step
-        def forward(self, *a, **k):
-            t = time.perf_counter_ns()
-            try:
-                return stack.forward(*a, **k)
-            finally:
-                cur["stack"] += time.perf_counter_ns() - t
-
-    timed_stack = TimedStack()
+    timed_stack = types.SimpleNamespace(forward=timer(stack.forward, "stack"))
     model._decode_stack = lambda *a, **k: timed_stack
-    class TimedHead:  # the LM head's matmul, called from Python after the stack
-        def __init__(self, routes) -> None:
-            self.routes = routes
-
-        def __call__(self, *a, **k):
-            t = time.perf_counter_ns()
-            try:
-                return self.routes(*a, **k)
-            finally:
-                cur["head"] += time.perf_counter_ns() - t
-
     if model.lm_head is not None:
-        model.lm_head.routes = TimedHead(model.lm_head.routes)
+        model.lm_head.routes = timer(model.lm_head.routes, "head")
     else:
-        model.tied_head_routes = TimedHead(model.tied_head_routes)
+        model.tied_head_routes = timer(model.tied_head_routes, "head")
 
     steps: list[tuple[bool, int, dict[str, int]]] = []
     step = eng.step

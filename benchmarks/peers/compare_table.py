@@ -110,11 +110,10 @@ def ratios(engines: list[dict]) -> dict[str, float]:
 
     for w in ("W1", "W3"):
         put(f"{w.lower()}_vs_vllm", ps[w], vllm and vllm[w])
+    best = {w: max((r[w] for r in llama if r[w]), default=None) for w in ("W1", "W2", "W3")}
     for w in ("W1", "W2", "W3"):
-        best = max((r[w] for r in llama if r[w]), default=None)
-        put(f"{w.lower()}_vs_llama", ps[w], best)
-        if w == "W2":
-            put("w2_int8_vs_llama", int8 and int8["W2"], best)
+        put(f"{w.lower()}_vs_llama", ps[w], best[w])
+    put("w2_int8_vs_llama", int8 and int8["W2"], best["W2"])
     for w, key in (("W1", "w1_share"), ("W2", "w2_share")):
         if ps["roofline_share"].get(w):
             out[key] = ps["roofline_share"][w]
