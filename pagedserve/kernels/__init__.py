@@ -44,9 +44,11 @@ class CpuKernels:
     quant_types: frozenset[int] = frozenset()
     # quant_linear_bf16: bf16 activations against the blocks' weights rounded to bf16 (AVX512-BF16 builds).
     quant_bf16: bool = False
-    # quant_linear_i8 for 1-4 rows over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks: activations quantized to int8
-    # per 32 (llama.cpp's numerics; built with AVX512-VNNI + VBMI, and asked for: EngineConfig.int8_activations).
+    # quant_linear_i8 for 1-4 rows over GGUF blocks: activations quantized to int8 per 32 (llama.cpp's numerics; built
+    # with AVX2, and asked for: EngineConfig.int8_activations), for the ggml types of quant_i8_types: every type read in
+    # place (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) with AVX512-VNNI + VBMI, all but the K-quants on AVX2.
     quant_i8: bool = False
+    quant_i8_types: frozenset[int] = frozenset()
 
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
@@ -69,6 +71,7 @@ class CpuKernels:
             quant_types=frozenset(ext.quant_types()),
             quant_bf16=ext.has_quant_bf16(),
             quant_i8=int8_activations and ext.has_quant_i8(),
+            quant_i8_types=frozenset(ext.quant_i8_types()),
         )
 
     @classmethod
@@ -81,8 +84,8 @@ class CpuKernels:
                             decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
                             amx=config.amx, int8_activations=config.int8_activations)
         if kernels is not None and config.int8_activations and not kernels.quant_i8:
-            logger.warning("int8_activations: this CPU (or build) has no AVX512-VNNI + VBMI; decode matmuls keep "
-                           "the model's activations (bf16 / float32)")
+            logger.warning("int8_activations: this CPU (or build) has no AVX2; decode matmuls keep the model's "
+                           "activations (bf16 / float32)")
         return kernels
 
     @property
@@ -179,7 +182,8 @@ class CpuKernels:
         """W . Q(x) (+ bias) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks: x's rows (float32/bf16) quantized to
         int8 per 32-k block (dx = max|x| / 127, nearest-even), integer dot products against the quants, exact, then
         one float32 chain per output over the blocks: llama.cpp's activations, not the reference's result (needs
-        `quant_i8`'s build; the same bits for a row whatever M)."""
+        `quant_i8`'s build and a type of `quant_i8_types`; the same bits for a row whatever M, and on AVX2 as with
+        AVX512-VNNI)."""
         return self.ext.quant_linear_i8(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
 
     def quant_embedding(self, ids, packed, type_id: int, k: int, out_dtype):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 
+import gguf
 import torch
 
 from pagedserve.attention import AttentionMetadata, get_backend
@@ -71,9 +72,9 @@ class ModelRunner:
             if few & {Route.GGUF_ROWS, Route.GGUF_R16}:
                 logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
             if Route.QUANT_I8 in few:
-                logger.info("int8_activations: decode-sized matmuls over GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K "
-                            "blocks quantize their activations to int8 per 32 (llama.cpp's numerics, not the "
-                            "reference's)")
+                names = "/".join(gguf.GGMLQuantizationType(t).name for t in sorted(self.kernels.quant_i8_types))
+                logger.info("int8_activations: decode-sized matmuls over GGUF %s blocks quantize their activations to "
+                            "int8 per 32 (llama.cpp's numerics, not the reference's)", names)
 
     def enable_decode_graphs(self, sizes: tuple[int, ...], max_blocks: int, capture=None) -> None:
         """Capture the model's decode steps at these batch sizes (worker/cuda_graph.py); `capture`: CUDA's by

@@ -20,15 +20,29 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 IDS = [t.name for t in TYPES]
 
 
-@pytest.fixture(scope="module")
-def kernels():
+# "native": built for this CPU (the AVX512-VNNI + VBMI kernels where it has them); "x86-64-v3": the AVX2 kernels
+# (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0), which must give the same bits.
+ARCHS = ["native", "x86-64-v3"]
+AVX2_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def kernels(request):
     from pagedserve.kernels import CpuKernels
 
-    k = CpuKernels.build(int8_activations=True)
+    k = CpuKernels.build(request.param, int8_activations=True)
     assert k is not None
     if not k.quant_i8:
-        pytest.skip("quant_linear_i8 needs AVX512-VNNI + VBMI (this CPU has not both)")
+        pytest.skip("quant_linear_i8 needs AVX2")
+    if request.param == "x86-64-v3":
+        assert k.quant_i8_types == frozenset(int(t) for t in AVX2_TYPES) and not k.has_avx512
     return k
+
+
+def built(kernels, qtype):
+    """Skips a type this build has no int8 kernel for (the K-quants on AVX2: test_i8_k_quants_on_avx2_raise)."""
+    if int(qtype) not in kernels.quant_i8_types:
+        pytest.skip(f"{qtype.name}: no int8 kernel in the {kernels.arch} build")
 
 
 def quantize_x(x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +75,7 @@ def check(kernels, x, raw, qtype, bias=None, out_dtype=torch.float32):
 @pytest.mark.parametrize("x_dtype", DTYPES, ids=["x32", "xbf16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_i8_linear_is_the_weights_times_the_quantized_activations(kernels, qtype, x_dtype):
+    built(kernels, qtype)
     g = torch.Generator().manual_seed(1)
     n, k = 45, 512  # a partial panel; 16 blocks of 32 (two Q4_K blocks)
     raw = random_blocks(qtype, n, k, seed=3)
@@ -75,6 +90,7 @@ def test_i8_linear_is_the_weights_times_the_quantized_activations(kernels, qtype
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_i8_linear_rounds_ties_to_even(kernels, qtype):
     """Block max 127 * 2^-3: x * (127 / max) = 8 x exactly, so x = k/16 lands on the tie k/2 + 0.5 ... for odd k."""
+    built(kernels, qtype)
     k = 256
     row = torch.zeros(k)
     row[0] = 127 / 8
@@ -96,6 +112,7 @@ GGUF_PY_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]  # gguf-py has no K-qua
 def test_i8_linear_on_blocks_gguf_py_quantized(kernels, qtype):
     """Real-looking weights (gguf-py's quantizer) and activations: the result is W . Q(x), and Q(x)'s error against
     the exact product is what quantizing x implies (at most half a quantum per element), no more."""
+    built(kernels, qtype)
     g = torch.Generator().manual_seed(7)
     n, k = 64, 576
     w = torch.randn(n, k, generator=g) * 0.05
@@ -114,6 +131,7 @@ def test_i8_linear_on_blocks_gguf_py_quantized(kernels, qtype):
 def test_i8_linear_rows_and_threads_do_not_change_bits(kernels, qtype):
     """A row's output is one chain per output over the blocks: the same bits alone, in any batch of rows, with any
     thread count, in bf16 out as its float32 result rounded once."""
+    built(kernels, qtype)
     g = torch.Generator().manual_seed(9)
     n, k = 200, 256
     raw = random_blocks(qtype, n, k, seed=11)
@@ -149,3 +167,45 @@ def test_i8_linear_bad_arguments_raise(kernels):
 
 def test_route_id(kernels):
     assert dict(kernels.ext.matmul_routes())["quant_i8"] == 9
+
+
+def test_i8_k_quants_on_avx2_raise(kernels):
+    if kernels.arch != "x86-64-v3":
+        pytest.skip("the AVX2 build's limits")
+    raw = random_blocks(Q.Q4_K, 16, 256, seed=2)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="needs AVX512-VNNI"):
+        kernels.quant_linear_i8(torch.randn(1, 256), packed, int(Q.Q4_K), 16, None, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", AVX2_TYPES, ids=[t.name for t in AVX2_TYPES])
+def test_i8_linear_avx2_gives_the_vnni_bits(qtype):
+    """The AVX2 kernels (int16 partial sums from vpmaddubsw / vpmaddwd) against the AVX512-VNNI ones, bit for bit, at
+    the largest sums their int16 steps can meet: every quant at its extreme and every activation at +-127 (an int16
+    step past its bound would saturate or wrap), and on random blocks; 1-7 rows, both x dtypes."""
+    from pagedserve.kernels import CpuKernels
+
+    vnni, avx2 = CpuKernels.build(int8_activations=True), CpuKernels.build("x86-64-v3", int8_activations=True)
+    if not (vnni.has_avx512 and int(Q.Q4_K) in vnni.quant_i8_types):
+        pytest.skip("needs a CPU with AVX512-VNNI + VBMI to compare against")
+    n, k = 40, 256
+    layout = gguf.GGML_QUANT_SIZES[qtype]
+    g = torch.Generator().manual_seed(21)
+    extreme = np.full((n, k // layout[0] * layout[1]), 0xFF, dtype=np.uint8)  # every quant bit set
+    blocks = extreme.reshape(n, -1, layout[1])
+    blocks[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # d
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        blocks[:, :, 2:4] = np.frombuffer(np.float16(-0.02).tobytes(), np.uint8)  # m
+    if qtype == Q.Q8_0:
+        blocks[: n // 2, :, 2:] = 0x80  # -128 in half the rows (-1 in the rest)
+    for raw in (extreme, random_blocks(qtype, n, k, seed=23)):
+        packed = vnni.quant_pack(torch.from_numpy(raw), int(qtype))
+        for m in (1, 2, 3, 4, 7):
+            for x_dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=g).to(x_dtype)
+                x[0] = 1.0  # every activation quantizes to 127
+                x[-1, :128] = -3.0  # -127
+                a = avx2.quant_linear_i8(x, packed, int(qtype), n, None, torch.float32)
+                b = vnni.quant_linear_i8(x, packed, int(qtype), n, None, torch.float32)
+                assert torch.equal(a, b), (m, x_dtype, (a - b).abs().max().item())
+        check(avx2, x, raw, qtype)  # and the definition

@@ -1316,8 +1316,25 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
 // relative 0.4% of the block's largest), about what rounding x to bf16 does to each element -- so logits move a
 // little and greedy tokens may differ from the bf16 route's. Few rows only (decode, bound by reading and widening
 // the weights): prefill-sized matmuls keep the model's route (model/matmul.py decides).
-#if defined(PAGEDSERVE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(PAGEDSERVE_QUANT_AVX2)
 #define PAGEDSERVE_QUANT_I8 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define PAGEDSERVE_QUANT_I8_VNNI 1  // else the AVX2 kernels below (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+#endif
+
+// x quantized per 32-k block, row after row: q [M][K] int8, dx [M][nb], sq [M][nb] (sum of the block's q), sq16
+// [M][2 nb] (the sums of each block's two 16-k halves: Q6_K's sub-blocks); the AVX2 kernels also take q as int16,
+// q16 [M][K] (null for the VNNI ones).
+struct XQ {
+  const int8_t* q;
+  const float* dx;
+  const int32_t* sq;
+  const int32_t* sq16;
+  const int16_t* q16;
+  int64_t K, nb;
+};
+
+#ifdef PAGEDSERVE_QUANT_I8_VNNI
 
 // vpermb index gathering 4 byte planes of a packed block (64 bytes: plane j's 16 rows at 16 j) into one int32 lane per
 // row: byte 4 r + j <- byte 16 j + r.
@@ -1345,16 +1362,6 @@ struct Q5Ctrl {
   }
 };
 inline constexpr Q5Ctrl kQ5Ctrl{};
-
-// x quantized per 32-k block, row after row: q [M][K] int8, dx [M][nb], sq [M][nb] (sum of the block's q), sq16
-// [M][2 nb] (the sums of each block's two 16-k halves: Q6_K's sub-blocks).
-struct XQ {
-  const int8_t* q;
-  const float* dx;
-  const int32_t* sq;
-  const int32_t* sq16;
-  int64_t K, nb;
-};
 
 template <int64_t T, int R, int P>
 void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
@@ -1627,6 +1634,174 @@ inline void gemv_i8_rows(int64_t R, const XQ& xq, const uint8_t* panel, int64_t 
   }
 }
 
+#else  // PAGEDSERVE_QUANT_I8_VNNI
+// ---- the same definition on AVX2 (+ FMA, F16C): CPUs without AVX512-VNNI + VBMI ------------------------------
+// The integer sums of each 32-k block and output are the VNNI kernels' (exact either way) and the float steps per
+// lane are theirs (one FMA with the pinned d dx, Q4_1 / Q5_1 one with m and dx sum qx), so an AVX2 build gives the
+// same bits. 4- and 5-bit quants: a plane pair (planes j, j + 1: 16 rows' bytes of k = j, j + 1 and of 16 + j,
+// 17 + j) interleaved row by row (pair_rows), so that vpmaddubsw multiplies a row's two quants (unsigned) by the two
+// activations (signed) and adds the pair into that row's int16 lane; a few steps are summed in int16 (|sum| < 2^15 by
+// the bounds at kSteps16) before they are widened to int32. Q8_0's signed quants are widened to int16 and meet the
+// activations' int16 pairs in vpmaddwd (int32 straight away).
+
+inline __m256 pinned8(__m256 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// Planes j, j + 1 (32 bytes: 16 rows each) -> row r's two bytes at 2 r of lane r / 8 (rows 0-7 in lane 0).
+inline __m256i pair_rows(const uint8_t* planes) {
+  const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes)), 0xD8);
+  const __m256i idx = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3, 11,
+                                       4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm256_shuffle_epi8(v, idx);
+}
+
+// int16 lanes (rows 0-7 | 8-15) added into two int32 vectors of rows 0-7 and 8-15.
+inline void widen_add(__m256i v, __m256i& s0, __m256i& s1) {
+  s0 = _mm256_add_epi32(s0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
+  s1 = _mm256_add_epi32(s1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+inline __m256i bcast16(const int8_t* p) {  // two int8 activations as every int16 lane's byte pair
+  int16_t v;
+  std::memcpy(&v, p, 2);
+  return _mm256_set1_epi16(v);
+}
+
+template <int64_t T, int R, int P>
+void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  static_assert(T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0);
+  constexpr int64_t pbb = 16 * quant_type(T).block_bytes;  // a packed block: 32 k of 16 rows
+  constexpr int64_t qoff = T == kQ4_1 ? 64 : (T == kQ5_0 ? 96 : (T == kQ5_1 ? 128 : 32));
+  constexpr bool five = T == kQ5_0 || T == kQ5_1;
+  [[maybe_unused]] constexpr int64_t qhoff = T == kQ5_0 ? 32 : 64;
+  // Plane pairs summed in int16 before widening: a pair step adds two vpmaddubsw of at most 2 * 15 * 127 (4-bit q)
+  // or 2 * 31 * 127 (5-bit) each: 4 steps <= 30,480, 2 steps <= 31,496.
+  constexpr int kSteps16 = five ? 2 : 4;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 c[R * P][2];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+  const int64_t nb = xq.nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_stream(panel, b * P * pbb, P * pbb);
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* pb = panel + p * pstride + b * pbb;
+      const uint8_t* q = pb + qoff;
+      __m256i s0[R], s1[R];  // int32 sums, rows 0-7 and 8-15
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+      if constexpr (T == kQ8_0) {
+        PAGEDSERVE_UNROLL
+        for (int j = 0; j < 32; j += 2) {
+          const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)));
+          const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j + 16)));
+          const __m256i lo = _mm256_unpacklo_epi16(w0, w1);  // rows 0-3 | 8-11: (k j, k j + 1)
+          const __m256i hi = _mm256_unpackhi_epi16(w0, w1);  // rows 4-7 | 12-15
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            int32_t a;
+            std::memcpy(&a, xq.q16 + r * xq.K + b * 32 + j, 4);
+            const __m256i av = _mm256_set1_epi32(a);
+            s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(lo, av));
+            s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(hi, av));
+          }
+        }
+        PAGEDSERVE_UNROLL
+        for (int r = 0; r < R; ++r) {  // rows (0-3 | 8-11), (4-7 | 12-15) -> 0-7, 8-15
+          const __m256i t0 = _mm256_permute2x128_si256(s0[r], s1[r], 0x20);
+          s1[r] = _mm256_permute2x128_si256(s0[r], s1[r], 0x31);
+          s0[r] = t0;
+        }
+      } else {
+        [[maybe_unused]] __m256i hx[4];  // qh byte plane i, each row's byte twice (2 r, 2 r + 1)
+        if constexpr (five) {
+          const __m256i dup = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11,
+                                               11, 12, 12, 13, 13, 14, 14, 15, 15);
+          PAGEDSERVE_UNROLL
+          for (int i = 0; i < 4; ++i)
+            hx[i] = _mm256_shuffle_epi8(
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + qhoff + 16 * i))),
+                dup);
+        }
+        PAGEDSERVE_UNROLL
+        for (int j0 = 0; j0 < 16; j0 += 2 * kSteps16) {
+          __m256i s16[R];
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+          PAGEDSERVE_UNROLL
+          for (int j = j0; j < j0 + 2 * kSteps16; j += 2) {
+            const __m256i v = pair_rows(q + 16 * j);
+            __m256i lo = _mm256_and_si256(v, low4);                         // k = j, j + 1
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  // k = 16 + j, 17 + j
+            if constexpr (five) {  // the fifth bit of k: bit k % 8 of qh byte k / 8, placed at bit 4
+              const int bit = j % 8;
+              const __m256i m = _mm256_set1_epi16(static_cast<int16_t>((1 << bit) | ((2 << bit) << 8)));
+              const __m256i b4 = _mm256_set1_epi8(0x10);
+              lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hx[j / 8], m), m), b4));
+              hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hx[2 + j / 8], m), m), b4));
+            }
+            PAGEDSERVE_UNROLL
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xr = xq.q + r * xq.K + b * 32;
+              s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast16(xr + j)),
+                                                                 _mm256_maddubs_epi16(hi, bcast16(xr + 16 + j))));
+            }
+          }
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) widen_add(s16[r], s0[r], s1[r]);
+        }
+      }
+      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb)));
+      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 16)));
+      [[maybe_unused]] __m256 m0, m1;
+      if constexpr (T == kQ4_1 || T == kQ5_1) {
+        m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 32)));
+        m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 48)));
+      }
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const float dx = xq.dx[r * nb + b];
+        const int32_t sq = xq.sq[r * nb + b];
+        if constexpr (T == kQ4_0 || T == kQ5_0) {
+          const __m256i off = _mm256_set1_epi32((T == kQ4_0 ? 8 : 16) * sq);
+          s0[r] = _mm256_sub_epi32(s0[r], off);
+          s1[r] = _mm256_sub_epi32(s1[r], off);
+        }
+        __m256* cc = c[r * P + p];
+        const __m256 dxv = _mm256_set1_ps(dx);
+        cc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), pinned8(_mm256_mul_ps(d0, dxv)), cc[0]);
+        cc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), pinned8(_mm256_mul_ps(d1, dxv)), cc[1]);
+        if constexpr (T == kQ4_1 || T == kQ5_1) {
+          const __m256 ms = pinned8(_mm256_set1_ps(dx * static_cast<float>(sq)));
+          cc[0] = _mm256_fmadd_ps(m0, ms, cc[0]);
+          cc[1] = _mm256_fmadd_ps(m1, ms, cc[1]);
+        }
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) {
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i][0]);
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16 + 8, c[i][1]);
+  }
+}
+
+template <int64_t T, int P>
+inline void gemv_i8_rows(int64_t R, const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
+    switch (R) {
+      case 1: gemv_i8_panels<T, 1, P>(xq, panel, pstride, acc); break;
+      case 2: gemv_i8_panels<T, 2, P>(xq, panel, pstride, acc); break;
+      case 3: gemv_i8_panels<T, 3, P>(xq, panel, pstride, acc); break;
+      default: gemv_i8_panels<T, 4, P>(xq, panel, pstride, acc); break;
+    }
+  }
+}
+#endif  // PAGEDSERVE_QUANT_I8_VNNI
+
 // a / b rounded once: -ffast-math lets GCC compute a division as a product with a reciprocal (vector ones with
 // vrcp14ps and a Newton step), another rounding, after which the ties of x / dx would round differently from the
 // definition (and from llama.cpp).
@@ -1636,15 +1811,17 @@ inline float ieee_div(float a, float b) {
   return r;
 }
 
-// Rows of x (float32 or bf16, row stride xs) quantized per 32-k block into q / dx / sq / sq16 (XQ's layout).
+// Rows of x (float32 or bf16, row stride xs) quantized per 32-k block into q / dx / sq / sq16 (XQ's layout; AVX2
+// kernels: q16 too).
 template <typename SX>
 void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* sq,
-                      int32_t* sq16) {
+                      int32_t* sq16, [[maybe_unused]] int16_t* q16) {
   const int64_t nb = K / 32;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       alignas(64) float v[32];
       for (int i = 0; i < 32; ++i) v[i] = Elem<SX>::load(x[m * xs + b * 32 + i]);
+#ifdef PAGEDSERVE_QUANT_I8_VNNI
       const __m512 v0 = _mm512_load_ps(v), v1 = _mm512_load_ps(v + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
       const float d = ieee_div(amax, 127.f), s = amax > 0.f ? ieee_div(127.f, amax) : 0.f;
@@ -1655,6 +1832,24 @@ void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, 
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
       dx[m * nb + b] = d;
       const int32_t h0 = _mm512_reduce_add_epi32(q0), h1 = _mm512_reduce_add_epi32(q1);
+#else  // the same steps on 8 lanes (a max is exact in any order; each product rounds once, then nearest-even)
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = ieee_div(amax, 127.f), s = amax > 0.f ? ieee_div(127.f, amax) : 0.f;
+      const __m256 id = _mm256_set1_ps(s);
+      alignas(32) int32_t qi[32];
+      for (int i = 0; i < 32; i += 8)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qi + i),
+                           _mm256_cvtps_epi32(pinned8(_mm256_mul_ps(_mm256_load_ps(v + i), id))));
+      int32_t h0 = 0, h1 = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int32_t qv = std::clamp(qi[i], -127, 127);  // |x| * 127 / max rounds to at most 127 already
+        q[m * K + b * 32 + i] = static_cast<int8_t>(qv);
+        q16[m * K + b * 32 + i] = static_cast<int16_t>(qv);
+        (i < 16 ? h0 : h1) += qv;
+      }
+      dx[m * nb + b] = d;
+#endif
       sq16[(m * nb + b) * 2] = h0;
       sq16[(m * nb + b) * 2 + 1] = h1;
       sq[m * nb + b] = h0 + h1;
@@ -1668,7 +1863,8 @@ void quant_gemv_i8(const XQ& xq, const uint8_t* w, const float* bias, OT* y, int
   const int64_t panels = (N + 15) / 16, pstride = 16 * (xq.K / t.block_size) * t.block_bytes;
   for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {  // rows past 4: again, 4 at a time (the same chains per row)
     const int64_t mr = std::min<int64_t>(kGemvRows, M - m0);
-    const XQ part{xq.q + m0 * xq.K, xq.dx + m0 * xq.nb, xq.sq + m0 * xq.nb, xq.sq16 + m0 * 2 * xq.nb, xq.K, xq.nb};
+    const XQ part{xq.q + m0 * xq.K, xq.dx + m0 * xq.nb, xq.sq + m0 * xq.nb, xq.sq16 + m0 * 2 * xq.nb,
+                  xq.q16 ? xq.q16 + m0 * xq.K : nullptr, xq.K, xq.nb};
     // Two panels per task for one row (8 independent chains); one from 3 rows (2 for the K-quants), where the rows'
     // own chains are enough and GCC spills the 2-panel kernels' accumulators and sums to the stack inside the block
     // loop (objdump: 48 stack moves per 64 vpdpbusd at 4 rows). In cache, 1,536 x 1,024, 4 rows: Q6_K 77.6 -> 39.4
@@ -1900,10 +2096,24 @@ bool has_quant_i8() {
 #endif
 }
 
+// The ggml type ids quant_linear_i8 takes in this build: all eight with AVX512-VNNI + VBMI, Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+// Q8_0 on AVX2, none without AVX2.
+std::vector<int64_t> quant_i8_types() {
+  using namespace quant_detail;
+#if defined(PAGEDSERVE_QUANT_I8_VNNI)
+  return {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K};
+#elif defined(PAGEDSERVE_QUANT_I8)
+  return {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0};
+#else
+  return {};
+#endif
+}
+
 // y = W . Q(x) (+ bias): W the dequantized Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weight, Q(x) x's rows
 // quantized to int8 per 32-k block (llama.cpp's activations; see quant_gemv_i8's section). x [M, K] float32 or bf16
 // (contiguous rows, any row stride); bias [N] (added in float32); out_dtype float32 or bf16 (rounded once, at the end).
-// A row's result is the same bits whatever M. AVX512-VNNI + VBMI builds only (has_quant_i8).
+// A row's result is the same bits whatever M. Builds with AVX2 (has_quant_i8), for the types of quant_i8_types: the
+// same bits on AVX2 as with AVX512-VNNI + VBMI.
 torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                               c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype) {
   using namespace quant_detail;
@@ -1912,6 +2122,10 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
                   type == kQ5_K || type == kQ6_K,
               "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K");
+#if defined(PAGEDSERVE_QUANT_I8) && !defined(PAGEDSERVE_QUANT_I8_VNNI)
+  TORCH_CHECK(type != kQ4_K && type != kQ5_K && type != kQ6_K, "quant_linear_i8: ggml type ", type,
+              " (a K-quant) needs AVX512-VNNI + VBMI; this AVX2 build takes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0");
+#endif
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_i8");
   const torch::Tensor bf = checked_bias(bias, N, "quant_linear_i8");
   const int64_t M = x.size(0);
@@ -1922,14 +2136,18 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> dx;
   thread_local std::vector<int32_t> sq, sq16;
+  thread_local std::vector<int16_t> q16;
   q.resize(M * K);
+#ifndef PAGEDSERVE_QUANT_I8_VNNI
+  q16.resize(M * K);
+#endif
   dx.resize(M * nb);
   sq.resize(M * nb);
   sq16.resize(M * nb * 2);
   dispatch_float_bf16(x, "quant_linear_i8", [&]<typename SX>() {
-    quantize_rows_i8<SX>(ptr<SX>(x), x.stride(0), M, K, q.data(), dx.data(), sq.data(), sq16.data());
+    quantize_rows_i8<SX>(ptr<SX>(x), x.stride(0), M, K, q.data(), dx.data(), sq.data(), sq16.data(), q16.data());
   });
-  const XQ xq{q.data(), dx.data(), sq.data(), sq16.data(), K, nb};
+  const XQ xq{q.data(), dx.data(), sq.data(), sq16.data(), q16.empty() ? nullptr : q16.data(), K, nb};
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const uint8_t* wp = p.data_ptr<uint8_t>();
   dispatch_float_bf16(y, "quant_linear_i8", [&]<typename OT>() {
@@ -1938,16 +2156,18 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
       case kQ4_1: quant_gemv_i8<kQ4_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ5_0: quant_gemv_i8<kQ5_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ5_1: quant_gemv_i8<kQ5_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+#ifdef PAGEDSERVE_QUANT_I8_VNNI
       case kQ4_K: quant_gemv_i8<kQ4_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ5_K: quant_gemv_i8<kQ5_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ6_K: quant_gemv_i8<kQ6_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
+#endif
       default: quant_gemv_i8<kQ8_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
     }
   });
   return y;
 #else
   (void)p;
-  TORCH_CHECK(false, "quant_linear_i8: this build has no AVX512-VNNI + VBMI");
+  TORCH_CHECK(false, "quant_linear_i8: this build has no AVX2");
   return y;
 #endif
 }
