@@ -98,7 +98,7 @@ class EngineConfig:
         "int8_activations", "decode-sized matmuls over GGUF blocks read in place (every type: Q4_0 ... Q6_K) "
         "quantize the activations to int8 per 32 (llama.cpp's and vLLM's GGUF numerics: integer dot products, "
         "~2x faster single-stream decode; logits move by about a bf16 rounding and greedy tokens may differ from the "
-        "reference's; every type on AVX512-VNNI + VBMI CPUs, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 on AVX2 ones; not with the "
+        "reference's; CPUs with AVX2 (AVX512-VNNI + VBMI kernels where they are: the same bits); not with the "
         "strict mode)")
     fixed_matmuls: bool | None = _env_knob(
         "fixed_matmuls", "every matmul on pagedserve's fixed-order C++ matmul (batch-invariant); default: "

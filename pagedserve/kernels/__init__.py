@@ -45,8 +45,9 @@ class CpuKernels:
     # quant_linear_bf16: bf16 activations against the blocks' weights rounded to bf16 (AVX512-BF16 builds).
     quant_bf16: bool = False
     # quant_linear_i8 for 1-4 rows over GGUF blocks: activations quantized to int8 per 32 (llama.cpp's numerics; built
-    # with AVX2, and asked for: EngineConfig.int8_activations), for the ggml types of quant_i8_types: every type read in
-    # place (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K) with AVX512-VNNI + VBMI, all but the K-quants on AVX2.
+    # with AVX2 -- AVX512-VNNI + VBMI kernels or AVX2 ones, the same bits -- and asked for:
+    # EngineConfig.int8_activations), for the ggml types of quant_i8_types (every type read in place:
+    # Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K).
     quant_i8: bool = False
     quant_i8_types: frozenset[int] = frozenset()
 

@@ -13,8 +13,8 @@ values. float32: the exact (dequantized) weights on every route. bfloat16: their
 route, so the GGUF GEMVs (which widen blocks to the exact float32 weights) serve float32 models only.
 The one opt-in exception is `int8_activations` (QUANT_I8): a few rows over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K
 blocks read in place multiply the exact weights by their activations quantized to int8 per 32 (llama.cpp's numerics,
-not the reference's), many rows keep the model's route; never in the strict mode. AVX2 builds take the non-K types
-(CpuKernels.quant_i8_types), with the same bits as AVX512-VNNI.
+not the reference's), many rows keep the model's route; never in the strict mode. Every AVX2 build has it (the same
+bits with AVX512-VNNI + VBMI kernels or AVX2 ones), for the types of CpuKernels.quant_i8_types.
 
 Two special cases:
 * the LM head returns float32 logits in every dtype (`float32_out`): a bf16 head runs the fixed-order
@@ -238,7 +238,7 @@ class MatmulRoutes:
             bf16 = weight.dtype == torch.bfloat16 and kernels.quant_bf16
             self.few_rows = self.many_rows = Route.QUANT_BF16 if bf16 else Route.QUANT
             # Opted in (EngineConfig.int8_activations): a few rows quantize their activations, llama.cpp's way.
-            # (Every part's type must be one this build takes: on AVX2 not the K-quants.)
+            # (Every part's type must be one this build takes: CpuKernels.quant_i8_types.)
             if kernels.quant_i8 and not batch_invariant and all(
                     p.type_id in INT8_ACTIVATION_TYPES and p.type_id in kernels.quant_i8_types for p in self.quant):
                 self.few_rows = Route.QUANT_I8

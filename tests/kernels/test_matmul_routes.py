@@ -127,7 +127,8 @@ def test_int8_route_is_for_few_rows_of_its_block_types(kernels, monkeypatch):
             routes.quant = parts
             routes.setup(torch.empty(16 * len(parts), 256), k8, pack=False, batch_hint=8, batch_invariant=False)
             assert routes.few_rows == (Route.QUANT if narrowed else Route.QUANT_I8)
-    # A build without a type's int8 kernel (AVX2: no K-quants) keeps a matmul with a part of it off the route.
+    # A build without a type's int8 kernel (none today: every build with AVX2 has all) keeps a matmul with a part of
+    # that type off the route.
     avx2 = k8.replace(quant_i8_types=frozenset({2, 3, 6, 7, 8}))
     q4_1, q5_k = QuantPart(3, kernels.quant_pack(raw256, 3), 16), QuantPart(13, kernels.quant_pack(k5, 13), 16)
     for parts, want in (([q5_k], Route.QUANT), ([q4_1], Route.QUANT_I8), ([q4_1, q5_k], Route.QUANT)):

@@ -20,10 +20,12 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 IDS = [t.name for t in TYPES]
 
 
-# "native": built for this CPU (the AVX512-VNNI + VBMI kernels where it has them); "x86-64-v3": the AVX2 kernels
-# (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0), which must give the same bits.
+# "native": built for this CPU (the AVX512-VNNI + VBMI kernels where it has them); "x86-64-v3": the AVX2 kernels,
+# which must give the same bits.
 ARCHS = ["native", "x86-64-v3"]
-AVX2_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+# Byte offsets of each block's fp16 fields (d, m / dmin): set to a finite value in the extreme blocks below.
+HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
+          Q.Q6_K: (208,)}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -34,15 +36,10 @@ def kernels(request):
     assert k is not None
     if not k.quant_i8:
         pytest.skip("quant_linear_i8 needs AVX2")
+    assert k.quant_i8_types == frozenset(int(t) for t in TYPES)
     if request.param == "x86-64-v3":
-        assert k.quant_i8_types == frozenset(int(t) for t in AVX2_TYPES) and not k.has_avx512
+        assert not k.has_avx512
     return k
-
-
-def built(kernels, qtype):
-    """Skips a type this build has no int8 kernel for (the K-quants on AVX2: test_i8_k_quants_on_avx2_raise)."""
-    if int(qtype) not in kernels.quant_i8_types:
-        pytest.skip(f"{qtype.name}: no int8 kernel in the {kernels.arch} build")
 
 
 def quantize_x(x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +72,6 @@ def check(kernels, x, raw, qtype, bias=None, out_dtype=torch.float32):
 @pytest.mark.parametrize("x_dtype", DTYPES, ids=["x32", "xbf16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_i8_linear_is_the_weights_times_the_quantized_activations(kernels, qtype, x_dtype):
-    built(kernels, qtype)
     g = torch.Generator().manual_seed(1)
     n, k = 45, 512  # a partial panel; 16 blocks of 32 (two Q4_K blocks)
     raw = random_blocks(qtype, n, k, seed=3)
@@ -90,7 +86,6 @@ def test_i8_linear_is_the_weights_times_the_quantized_activations(kernels, qtype
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_i8_linear_rounds_ties_to_even(kernels, qtype):
     """Block max 127 * 2^-3: x * (127 / max) = 8 x exactly, so x = k/16 lands on the tie k/2 + 0.5 ... for odd k."""
-    built(kernels, qtype)
     k = 256
     row = torch.zeros(k)
     row[0] = 127 / 8
@@ -112,7 +107,6 @@ GGUF_PY_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]  # gguf-py has no K-qua
 def test_i8_linear_on_blocks_gguf_py_quantized(kernels, qtype):
     """Real-looking weights (gguf-py's quantizer) and activations: the result is W . Q(x), and Q(x)'s error against
     the exact product is what quantizing x implies (at most half a quantum per element), no more."""
-    built(kernels, qtype)
     g = torch.Generator().manual_seed(7)
     n, k = 64, 576
     w = torch.randn(n, k, generator=g) * 0.05
@@ -131,7 +125,6 @@ def test_i8_linear_on_blocks_gguf_py_quantized(kernels, qtype):
 def test_i8_linear_rows_and_threads_do_not_change_bits(kernels, qtype):
     """A row's output is one chain per output over the blocks: the same bits alone, in any batch of rows, with any
     thread count, in bf16 out as its float32 result rounded once."""
-    built(kernels, qtype)
     g = torch.Generator().manual_seed(9)
     n, k = 200, 256
     raw = random_blocks(qtype, n, k, seed=11)
@@ -169,16 +162,8 @@ def test_route_id(kernels):
     assert dict(kernels.ext.matmul_routes())["quant_i8"] == 9
 
 
-def test_i8_k_quants_on_avx2_raise(kernels):
-    if kernels.arch != "x86-64-v3":
-        pytest.skip("the AVX2 build's limits")
-    raw = random_blocks(Q.Q4_K, 16, 256, seed=2)
-    packed = kernels.quant_pack(torch.from_numpy(raw), int(Q.Q4_K))
-    with pytest.raises(RuntimeError, match="needs AVX512-VNNI"):
-        kernels.quant_linear_i8(torch.randn(1, 256), packed, int(Q.Q4_K), 16, None, torch.float32)
 
-
-@pytest.mark.parametrize("qtype", AVX2_TYPES, ids=[t.name for t in AVX2_TYPES])
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_i8_linear_avx2_gives_the_vnni_bits(qtype):
     """The AVX2 kernels (int16 partial sums from vpmaddubsw / vpmaddwd) against the AVX512-VNNI ones, bit for bit, at
     the largest sums their int16 steps can meet: every quant at its extreme and every activation at +-127 (an int16
@@ -186,16 +171,15 @@ def test_i8_linear_avx2_gives_the_vnni_bits(qtype):
     from pagedserve.kernels import CpuKernels
 
     vnni, avx2 = CpuKernels.build(int8_activations=True), CpuKernels.build("x86-64-v3", int8_activations=True)
-    if not (vnni.has_avx512 and int(Q.Q4_K) in vnni.quant_i8_types):
+    if not (vnni.has_avx512 and vnni.ext.has_quant_i8_vnni()):
         pytest.skip("needs a CPU with AVX512-VNNI + VBMI to compare against")
-    n, k = 40, 256
+    n, k = 40, 512
     layout = gguf.GGML_QUANT_SIZES[qtype]
     g = torch.Generator().manual_seed(21)
-    extreme = np.full((n, k // layout[0] * layout[1]), 0xFF, dtype=np.uint8)  # every quant bit set
+    extreme = np.full((n, k // layout[0] * layout[1]), 0xFF, dtype=np.uint8)  # every quant (and scale) bit set
     blocks = extreme.reshape(n, -1, layout[1])
-    blocks[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # d
-    if qtype in (Q.Q4_1, Q.Q5_1):
-        blocks[:, :, 2:4] = np.frombuffer(np.float16(-0.02).tobytes(), np.uint8)  # m
+    for off in HALVES[qtype]:
+        blocks[:, :, off : off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     if qtype == Q.Q8_0:
         blocks[: n // 2, :, 2:] = 0x80  # -128 in half the rows (-1 in the rest)
     for raw in (extreme, random_blocks(qtype, n, k, seed=23)):

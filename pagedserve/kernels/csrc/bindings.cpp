@@ -64,8 +64,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type_id"), py::arg("n"), py::arg("k"),
         "silu(gate) * up of quant_linear_bf16 over W = [gate; up] (n = 2 I, I % 16 == 0), bf16 [M, I]: the bits of "
         "silu_and_mul over its bf16 output, fused where the AMX many-rows route runs");
-  m.def("has_quant_i8", &pagedserve::has_quant_i8, "whether quant_linear_i8 is built (AVX2; every type with AVX512-VNNI + VBMI)");
+  m.def("has_quant_i8", &pagedserve::has_quant_i8, "whether quant_linear_i8 is built (AVX2)");
   m.def("quant_i8_types", &pagedserve::quant_i8_types, "the ggml type ids quant_linear_i8 takes in this build");
+  m.def("has_quant_i8_vnni", &pagedserve::has_quant_i8_vnni,
+        "whether quant_linear_i8 runs the AVX512-VNNI + VBMI kernels (else the AVX2 ones: the same bits)");
   m.def("quant_linear_i8", &pagedserve::quant_linear_i8, py::arg("x"), py::arg("packed"), py::arg("type_id"),
         py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
         "W . Q(x) (+ bias): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks against x quantized to int8 per 32-k block (llama.cpp's "

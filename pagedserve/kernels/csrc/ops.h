@@ -47,6 +47,7 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
                                      int64_t K);
 bool has_quant_i8();
 std::vector<int64_t> quant_i8_types();
+bool has_quant_i8_vnni();
 torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                               c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype);
 torch::Tensor quant_embedding(torch::Tensor ids, std::vector<torch::Tensor> packed, int64_t type, int64_t K,

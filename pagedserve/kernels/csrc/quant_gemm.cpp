@@ -1319,7 +1319,7 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
 #if defined(PAGEDSERVE_QUANT_AVX2)
 #define PAGEDSERVE_QUANT_I8 1
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#define PAGEDSERVE_QUANT_I8_VNNI 1  // else the AVX2 kernels below (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+#define PAGEDSERVE_QUANT_I8_VNNI 1  // else the AVX2 kernels below (the same types, the same bits)
 #endif
 
 // x quantized per 32-k block, row after row: q [M][K] int8, dx [M][nb], sq [M][nb] (sum of the block's q), sq16
@@ -1789,15 +1789,204 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
   }
 }
 
+// 16 uint8 / int8 lanes (rows) -> float32 vectors of rows 0-7 and 8-15.
+inline void rows_u8(__m128i v, __m256& lo, __m256& hi) {
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+}
+
+// Q4_K / Q5_K (see the VNNI kernel): per sub-block pair (2 t, 2 t + 1) 32 byte planes, plane i holding k = i of
+// sub-block 2 t (low nibbles) and of 2 t + 1 (high); Q5_K's fifth bits from the qh planes interleaved the same way.
+template <int64_t T, int R, int P>
+void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  static_assert(T == kQ4_K || T == kQ5_K);
+  constexpr bool five = T == kQ5_K;
+  constexpr int64_t pbb = 16 * quant_type(T).block_bytes;  // a packed block: 256 k of 16 rows
+  constexpr int64_t qs_off = five ? 768 : 256, qh_off = 256;
+  constexpr int kSteps16 = five ? 4 : 8;  // one vpmaddubsw per step: 8 * 3,810 or 4 * 7,874 < 2^15
+  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
+  __m256 c[R * P][2];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+  const int64_t nb = xq.nb;
+  for (int64_t sb = 0; sb < xq.K / 256; ++sb) {
+    for (int t = 0; t < 4; ++t) {
+      prefetch_stream(panel, (sb * 4 + t) * P * (pbb / 4), P * (pbb / 4));
+      PAGEDSERVE_UNROLL
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* pb = panel + p * pstride + sb * pbb;
+        const uint8_t* q = pb + qs_off + t * 32 * 16;
+        const int64_t b0 = sb * 8 + 2 * t;
+        __m256i s[R][2][2];  // [row][sub-block 2 t + h][rows 0-7, 8-15]
+        PAGEDSERVE_UNROLL
+        for (int r = 0; r < R; ++r) s[r][0][0] = s[r][0][1] = s[r][1][0] = s[r][1][1] = _mm256_setzero_si256();
+        PAGEDSERVE_UNROLL
+        for (int i0 = 0; i0 < 32; i0 += 2 * kSteps16) {
+          __m256i lo16[R], hi16[R];
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
+          PAGEDSERVE_UNROLL
+          for (int i = i0; i < i0 + 2 * kSteps16; i += 2) {
+            const __m256i v = pair_rows(q + 16 * i);
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if constexpr (five) {  // bit 2 t (2 t + 1) of qh planes i, i + 1 at bit 4
+              const __m256i h = pair_rows(pb + qh_off + 16 * i);
+              lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * t), one), 4));
+              hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * t + 1), one), 4));
+            }
+            PAGEDSERVE_UNROLL
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xr = xq.q + r * xq.K + b0 * 32;
+              lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(lo, bcast16(xr + i)));
+              hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, bcast16(xr + 32 + i)));
+            }
+          }
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            widen_add(lo16[r], s[r][0][0], s[r][0][1]);
+            widen_add(hi16[r], s[r][1][0], s[r][1][1]);
+          }
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb)));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 16)));
+        const __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 32)));
+        const __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 48)));
+        PAGEDSERVE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          __m128i sc, mn;
+          k_scale_min16(pb + 64, 2 * t + h, sc, mn);
+          __m256 sc0, sc1, mn0, mn1;
+          rows_u8(sc, sc0, sc1);
+          rows_u8(mn, mn0, mn1);
+          const __m256 scale[2] = {pinned8(_mm256_mul_ps(d0, sc0)), pinned8(_mm256_mul_ps(d1, sc1))};
+          const __m256 mins[2] = {pinned8(_mm256_mul_ps(n0, mn0)), pinned8(_mm256_mul_ps(n1, mn1))};
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const float dx = xq.dx[r * nb + b0 + h];
+            const __m256 dxv = _mm256_set1_ps(dx);
+            const __m256 ms = pinned8(_mm256_set1_ps(dx * static_cast<float>(xq.sq[r * nb + b0 + h])));
+            PAGEDSERVE_UNROLL
+            for (int e = 0; e < 2; ++e) {
+              __m256& cc = c[r * P + p][e];
+              cc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][e]), pinned8(_mm256_mul_ps(scale[e], dxv)), cc);
+              cc = _mm256_fnmadd_ps(mins[e], ms, cc);
+            }
+          }
+        }
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) {
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i][0]);
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16 + 8, c[i][1]);
+  }
+}
+
+// Q6_K (see the VNNI kernel): per 128-k half h and 16-k sub-block s, plane pairs (kk, kk + 1) of ql at 64 h + kk and
+// 64 h + 32 + kk and of qh at 32 h + kk give k = kk, kk + 1 of four 32-k blocks g; 6-bit q: two steps per int16 run
+// (2 * 16,002 < 2^15); then sc (qw . qx - 32 sum qx) in int32 and one FMA with d dx, as there.
+template <int R, int P>
+void gemv_i8_q6k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
+  constexpr int64_t pbb = 16 * quant_type(kQ6_K).block_bytes;
+  constexpr int64_t sc_off = 32, ql_off = 288, qh_off = 2336;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+  __m256 c[R * P][2];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+  const int64_t nb = xq.nb;
+  for (int64_t sb = 0; sb < xq.K / 256; ++sb) {
+    for (int h = 0; h < 2; ++h) {
+      for (int s = 0; s < 2; ++s) {
+        prefetch_stream(panel, (sb * 4 + h * 2 + s) * P * (pbb / 4), P * (pbb / 4));
+        PAGEDSERVE_UNROLL
+        for (int p = 0; p < P; ++p) {
+          const uint8_t* pb = panel + p * pstride + sb * pbb;
+          const int64_t b0 = sb * 8 + 4 * h;
+          __m256i a[R][4][2];
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r)
+            for (int g = 0; g < 4; ++g) a[r][g][0] = a[r][g][1] = _mm256_setzero_si256();
+          PAGEDSERVE_UNROLL
+          for (int kk0 = 16 * s; kk0 < 16 * s + 16; kk0 += 4) {
+            __m256i a16[R][4];
+            PAGEDSERVE_UNROLL
+            for (int r = 0; r < R; ++r)
+              for (int g = 0; g < 4; ++g) a16[r][g] = _mm256_setzero_si256();
+            PAGEDSERVE_UNROLL
+            for (int kk = kk0; kk < kk0 + 4; kk += 2) {
+              const __m256i la = pair_rows(pb + ql_off + 16 * (64 * h + kk));
+              const __m256i lb = pair_rows(pb + ql_off + 16 * (64 * h + 32 + kk));
+              const __m256i hb = pair_rows(pb + qh_off + 16 * (32 * h + kk));
+              __m256i qv[4];
+              qv[0] = _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), two));
+              qv[1] = _mm256_or_si256(_mm256_and_si256(lb, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), two));
+              qv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4), _mm256_and_si256(hb, two));
+              qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
+                                      _mm256_and_si256(_mm256_srli_epi16(hb, 2), two));
+              PAGEDSERVE_UNROLL
+              for (int r = 0; r < R; ++r)
+                for (int g = 0; g < 4; ++g)
+                  a16[r][g] = _mm256_add_epi16(
+                      a16[r][g], _mm256_maddubs_epi16(qv[g], bcast16(xq.q + r * xq.K + (b0 + g) * 32 + kk)));
+            }
+            PAGEDSERVE_UNROLL
+            for (int r = 0; r < R; ++r)
+              for (int g = 0; g < 4; ++g) widen_add(a16[r][g], a[r][g][0], a[r][g][1]);
+          }
+          const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb)));
+          const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 16)));
+          PAGEDSERVE_UNROLL
+          for (int g = 0; g < 4; ++g) {
+            const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + sc_off + 16 * (8 * h + 2 * g + s)));
+            const __m256i sc[2] = {_mm256_cvtepi8_epi32(scb), _mm256_cvtepi8_epi32(_mm_srli_si128(scb, 8))};
+            PAGEDSERVE_UNROLL
+            for (int r = 0; r < R; ++r) {
+              const int64_t b = b0 + g;
+              const __m256i off = _mm256_set1_epi32(32 * xq.sq16[r * 2 * nb + 2 * b + s]);
+              const __m256 dxv = _mm256_set1_ps(xq.dx[r * nb + b]);
+              const __m256 dd[2] = {pinned8(_mm256_mul_ps(d0, dxv)), pinned8(_mm256_mul_ps(d1, dxv))};
+              PAGEDSERVE_UNROLL
+              for (int e = 0; e < 2; ++e) {
+                const __m256i tt = _mm256_mullo_epi32(_mm256_sub_epi32(a[r][g][e], off), sc[e]);
+                c[r * P + p][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tt), dd[e], c[r * P + p][e]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) {
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i][0]);
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16 + 8, c[i][1]);
+  }
+}
+
 template <int64_t T, int P>
 inline void gemv_i8_rows(int64_t R, const XQ& xq, const uint8_t* panel, int64_t pstride, float* acc) {
-  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0) {
-    switch (R) {
-      case 1: gemv_i8_panels<T, 1, P>(xq, panel, pstride, acc); break;
-      case 2: gemv_i8_panels<T, 2, P>(xq, panel, pstride, acc); break;
-      case 3: gemv_i8_panels<T, 3, P>(xq, panel, pstride, acc); break;
-      default: gemv_i8_panels<T, 4, P>(xq, panel, pstride, acc); break;
-    }
+  switch (R) {
+    case 1:
+      if constexpr (T == kQ6_K) gemv_i8_q6k_panels<1, P>(xq, panel, pstride, acc);
+      else if constexpr (T == kQ4_K || T == kQ5_K) gemv_i8_q4k_panels<T, 1, P>(xq, panel, pstride, acc);
+      else gemv_i8_panels<T, 1, P>(xq, panel, pstride, acc);
+      break;
+    case 2:
+      if constexpr (T == kQ6_K) gemv_i8_q6k_panels<2, P>(xq, panel, pstride, acc);
+      else if constexpr (T == kQ4_K || T == kQ5_K) gemv_i8_q4k_panels<T, 2, P>(xq, panel, pstride, acc);
+      else gemv_i8_panels<T, 2, P>(xq, panel, pstride, acc);
+      break;
+    case 3:
+      if constexpr (T == kQ6_K) gemv_i8_q6k_panels<3, P>(xq, panel, pstride, acc);
+      else if constexpr (T == kQ4_K || T == kQ5_K) gemv_i8_q4k_panels<T, 3, P>(xq, panel, pstride, acc);
+      else gemv_i8_panels<T, 3, P>(xq, panel, pstride, acc);
+      break;
+    default:
+      if constexpr (T == kQ6_K) gemv_i8_q6k_panels<4, P>(xq, panel, pstride, acc);
+      else if constexpr (T == kQ4_K || T == kQ5_K) gemv_i8_q4k_panels<T, 4, P>(xq, panel, pstride, acc);
+      else gemv_i8_panels<T, 4, P>(xq, panel, pstride, acc);
+      break;
   }
 }
 #endif  // PAGEDSERVE_QUANT_I8_VNNI
@@ -2096,14 +2285,21 @@ bool has_quant_i8() {
 #endif
 }
 
-// The ggml type ids quant_linear_i8 takes in this build: all eight with AVX512-VNNI + VBMI, Q4_0 / Q4_1 / Q5_0 / Q5_1 /
-// Q8_0 on AVX2, none without AVX2.
+// Whether quant_linear_i8 runs the AVX512-VNNI + VBMI kernels (else the AVX2 ones; the same bits).
+bool has_quant_i8_vnni() {
+#ifdef PAGEDSERVE_QUANT_I8_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The ggml type ids quant_linear_i8 takes in this build: every type read in place with AVX2 (AVX512-VNNI + VBMI
+// kernels or the AVX2 ones), none without.
 std::vector<int64_t> quant_i8_types() {
   using namespace quant_detail;
-#if defined(PAGEDSERVE_QUANT_I8_VNNI)
+#if defined(PAGEDSERVE_QUANT_I8)
   return {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K};
-#elif defined(PAGEDSERVE_QUANT_I8)
-  return {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0};
 #else
   return {};
 #endif
@@ -2122,10 +2318,6 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
                   type == kQ5_K || type == kQ6_K,
               "quant_linear_i8: ggml type ", type, " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K");
-#if defined(PAGEDSERVE_QUANT_I8) && !defined(PAGEDSERVE_QUANT_I8_VNNI)
-  TORCH_CHECK(type != kQ4_K && type != kQ5_K && type != kQ6_K, "quant_linear_i8: ggml type ", type,
-              " (a K-quant) needs AVX512-VNNI + VBMI; this AVX2 build takes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0");
-#endif
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_i8");
   const torch::Tensor bf = checked_bias(bias, N, "quant_linear_i8");
   const int64_t M = x.size(0);
@@ -2156,11 +2348,9 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
       case kQ4_1: quant_gemv_i8<kQ4_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ5_0: quant_gemv_i8<kQ5_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ5_1: quant_gemv_i8<kQ5_1, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
-#ifdef PAGEDSERVE_QUANT_I8_VNNI
       case kQ4_K: quant_gemv_i8<kQ4_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ5_K: quant_gemv_i8<kQ5_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
       case kQ6_K: quant_gemv_i8<kQ6_K, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
-#endif
       default: quant_gemv_i8<kQ8_0, OT>(xq, wp, bp, ptr<OT>(y), M, N); break;
     }
   });
