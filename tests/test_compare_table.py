@@ -94,3 +94,19 @@ def test_figures_short_of_a_goal_never_print_as_the_goal(table):
     assert table._fmt("w1_share", 0.75) == "75.0%"
     assert table._fmt("w3_vs_vllm", 1.19999) == "1.19x"
     assert table._fmt("w3_vs_vllm", 1.15) == "1.15x"  # not 1.14x from 114.99999999999999
+
+
+def test_an_emulated_run_says_so(table, tmp_path, capsys):
+    """ARCH=x86-64-v3 sh benchmarks/compare.sh writes emulated.txt: the table's head names the emulation, a plain
+    run's does not."""
+    plain = write_run(tmp_path / "plain", ps=(600.0, 160.0, 1560.0), int8=240.0, vllm=(400.0, 40.0, 1300.0),
+                      llama_q4=(150.0, 100.0, 300.0), llama_bf16_w2=120.0)
+    emulated = write_run(tmp_path / "avx2", ps=(260.0, 120.0, 570.0), int8=170.0, vllm=(400.0, 40.0, 1300.0),
+                         llama_q4=(100.0, 110.0, 250.0), llama_bf16_w2=60.0)
+    (emulated / "vllm_cpu.json").unlink()
+    (emulated / "emulated.txt").write_text("x86-64-v3\n")
+    assert table.cpu(plain)["emulated"] is None and table.cpu(emulated)["emulated"] == "x86-64-v3"
+    table.one_run(plain)
+    assert "emulating" not in capsys.readouterr().out
+    table.one_run(emulated)
+    assert "emulating x86-64-v3" in capsys.readouterr().out

@@ -41,7 +41,9 @@ def cpu(outdir: Path) -> dict:
     model = re.search(r"^Model name:\s*(.+)$", text, re.M)
     flags = re.search(r"^Flags:\s*(.+)$", text, re.M)
     have = set(flags.group(1).split()) if flags else set()
-    return {"model": model.group(1).strip() if model else "?", "flags": [f for f in FLAGS if f in have]}
+    emulated = (outdir / "emulated.txt").read_text().strip() if (outdir / "emulated.txt").exists() else None
+    return {"model": model.group(1).strip() if model else "?", "flags": [f for f in FLAGS if f in have],
+            "emulated": emulated}
 
 
 def rows(outdir: Path) -> list[dict]:
@@ -132,6 +134,10 @@ def _fmt(key: str, v: float) -> str:
 def _print_machine(info: dict) -> None:
     roof = info["roofline"]
     print(f"CPU: {info['cpu']['model']} ({', '.join(info['cpu']['flags'])})")
+    if info["cpu"].get("emulated"):
+        print(f"emulating {info['cpu']['emulated']} (ARCH): pagedserve's kernels built for it (float32), torch / "
+              "oneDNN / MKL held to AVX2, llama.cpp built without AVX-512; the same core, caches and memory: "
+              "ratios only")
     if roof:
         print(f"roofline ({roof['threads']} threads, torch): GEMM "
               + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in roof["gemm_gflops"].items())

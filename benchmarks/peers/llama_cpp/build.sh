@@ -3,7 +3,8 @@
 # dependency). Source: the llama.cpp vendored in the llama-cpp-python 0.3.36 sdist (so the same llama.cpp
 # as benchmarks/peers/llama_cpp_w2.py). Idempotent: re-running only rebuilds what is missing.
 # Output: benchmarks/peers/llama_cpp/build/bin/{llama-bench,llama-completion,llama-simple,llama-batched-bench,
-# llama-quantize} (gitignored).
+# llama-quantize} (gitignored). ARCH=x86-64-v3: built without AVX-512 (AVX2, FMA, F16C, BMI2: the older EPYCs'
+# instruction sets, for benchmarks/compare.sh's emulation of them) into build_avx2/ instead.
 # (In this llama.cpp, llama-cli is the chat UI built on the server, so the non-interactive one-shot tool is
 # llama-completion; the server is not built.)
 set -eu
@@ -12,6 +13,12 @@ VERSION=0.3.36
 DL="$HERE/dl"
 SRC="$HERE/src/llama_cpp_python-$VERSION"
 BUILD="$HERE/build"
+CPUFLAGS="-DGGML_NATIVE=ON"
+if [ -n "${ARCH:-}" ]; then
+    [ "$ARCH" = x86-64-v3 ] || { echo "ARCH: only x86-64-v3, got $ARCH" >&2; exit 2; }
+    BUILD="$HERE/build_avx2"
+    CPUFLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
+fi
 ROOT=$(cd "$HERE/../../.." && pwd)
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
@@ -37,7 +44,8 @@ if [ -f "$BUILD/CMakeCache.txt" ] && [ "$(cat "$BUILD/cpu-stamp" 2>/dev/null)" !
     rm -rf "$BUILD"
 fi
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
-    "$CMAKE" -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    # shellcheck disable=SC2086
+    "$CMAKE" -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release $CPUFLAGS \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
 fi
