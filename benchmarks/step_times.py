@@ -2,7 +2,9 @@
 perf_counter_ns around a handful of calls, no profiler), then per kind of step (prefill / mixed, pure decode) the
 mean time of the step, of the model's forward, of its C++ decode stack and LM head, and of the Python around them.
 
-    python benchmarks/step_times.py [--workload W1|W2|W3] [--int8-activations] [--reps 1]
+    python benchmarks/step_times.py [--workload W1|W2|W3] [--int8-activations] [--dtype auto] [--model M] [--reps 1]
+
+(An AVX2-only CPU emulated: PAGEDSERVE_CPU_ARCH=x86-64-v3 ... --dtype float32.)
 
 W1: 128 prompts of 128 random token ids, 128 tokens each (one generate); W2: one 32-token prompt, 256 tokens;
 W3: 16 prompts of 1,024, one token each. Greedy, ignore_eos, after a warm-up request, as `pagedserve bench`.
@@ -24,10 +26,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("W1", "W2", "W3"), default="W1")
     ap.add_argument("--int8-activations", action="store_true")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=None, help="default: the bundled model")
     ap.add_argument("--reps", type=int, default=1)
     args = ap.parse_args()
     num, input_len, output_len = {"W1": (128, 128, 128), "W2": (1, 32, 256), "W3": (16, 1024, 1)}[args.workload]
-    llm = LLM(int8_activations=args.int8_activations)
+    llm = LLM(model=args.model, int8_activations=args.int8_activations, dtype=args.dtype)
     eng = llm.engine
     cur: dict[str, int] = defaultdict(int)
 
