@@ -85,8 +85,8 @@ class CpuKernels:
                             decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
                             amx=config.amx, int8_activations=config.int8_activations)
         if kernels is not None and config.int8_activations and not kernels.quant_i8:
-            logger.warning("int8_activations: this CPU (or build) has no AVX2; decode matmuls keep the model's "
-                           "activations (bf16 / float32)")
+            logger.warning("int8_activations: this CPU (or build) has no AVX2 + FMA + F16C; decode matmuls keep the "
+                           "model's activations (bf16 / float32)")
         return kernels
 
     @property

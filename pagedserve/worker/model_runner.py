@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 
-import gguf
 import torch
 
 from pagedserve.attention import AttentionMetadata, get_backend
@@ -72,6 +71,8 @@ class ModelRunner:
             if few & {Route.GGUF_ROWS, Route.GGUF_R16}:
                 logger.info("decode-sized matmuls read the GGUF quantized blocks directly (exact float32 weights)")
             if Route.QUANT_I8 in few:
+                import gguf
+
                 names = "/".join(gguf.GGMLQuantizationType(t).name for t in sorted(self.kernels.quant_i8_types))
                 logger.info("int8_activations: decode-sized matmuls over GGUF %s blocks quantize their activations to "
                             "int8 per 32 (llama.cpp's numerics, not the reference's)", names)

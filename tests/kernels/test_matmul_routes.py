@@ -101,10 +101,10 @@ def test_int8_route_is_for_few_rows_of_its_block_types(kernels, monkeypatch):
     kernels offer it, never in the strict mode; many rows keep the model's route."""
     from pagedserve.model import matmul
     from pagedserve.model.loader import IN_PLACE_TYPES
-    from pagedserve.model.matmul import QuantPart, Route
+    from pagedserve.model.matmul import INT8_ACTIVATION_TYPES, QuantPart, Route
 
     _, (_, raw) = q4_1_weight()
-    k8 = kernels.replace(quant_i8=True)
+    k8 = kernels.replace(quant_i8=True, quant_i8_types=INT8_ACTIVATION_TYPES)  # as an AVX2 build has them
     for km, strict, want in ((k8, False, Route.QUANT_I8), (k8, True, Route.QUANT), (kernels, False, Route.QUANT)):
         routes = MatmulRoutes()
         routes.quant = [QuantPart(3, kernels.quant_pack(raw, 3), raw.shape[0])]

@@ -162,33 +162,54 @@ def test_route_id(kernels):
     assert dict(kernels.ext.matmul_routes())["quant_i8"] == 9
 
 
+def extreme_blocks(qtype, n: int, k: int) -> np.ndarray:
+    """Every quant (and scale) bit set, the fp16 fields finite; Q8_0: -128 in half the rows (-1 in the rest)."""
+    layout = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.full((n, k // layout[0] * layout[1]), 0xFF, dtype=np.uint8)
+    blocks = raw.reshape(n, -1, layout[1])
+    for off in HALVES[qtype]:
+        blocks[:, :, off : off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if qtype == Q.Q8_0:
+        blocks[: n // 2, :, 2:] = 0x80
+    return raw
+
+
+def extreme_x(m: int, k: int, g: torch.Generator, dtype) -> torch.Tensor:
+    x = torch.randn(m, k, generator=g).to(dtype)
+    x[0] = 1.0  # every activation quantizes to 127
+    x[-1, :128] = -3.0  # -127
+    return x
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_i8_linear_at_the_largest_integer_sums(kernels, qtype):
+    """Every quant at its extreme against activations at +-127: the largest sums the AVX2 kernels' int16 runs can meet
+    (a run one step too long saturates or wraps, and the result is off by far more than the tolerance) -- on every
+    build, so that an AVX2-only CPU checks its own kernels against the definition."""
+    g = torch.Generator().manual_seed(19)
+    raw = extreme_blocks(qtype, 40, 512)
+    for m in (1, 3, 4):
+        check(kernels, extreme_x(m, 512, g, torch.float32), raw, qtype)
+
 
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_i8_linear_avx2_gives_the_vnni_bits(qtype):
     """The AVX2 kernels (int16 partial sums from vpmaddubsw / vpmaddwd) against the AVX512-VNNI ones, bit for bit, at
-    the largest sums their int16 steps can meet: every quant at its extreme and every activation at +-127 (an int16
-    step past its bound would saturate or wrap), and on random blocks; 1-7 rows, both x dtypes."""
+    the largest sums their int16 steps can meet (extreme_blocks) and on random blocks; 1-7 rows, both x dtypes."""
     from pagedserve.kernels import CpuKernels
 
-    vnni, avx2 = CpuKernels.build(int8_activations=True), CpuKernels.build("x86-64-v3", int8_activations=True)
+    vnni = CpuKernels.build(int8_activations=True)
     if not (vnni.has_avx512 and vnni.ext.has_quant_i8_vnni()):
         pytest.skip("needs a CPU with AVX512-VNNI + VBMI to compare against")
+    avx2 = CpuKernels.build("x86-64-v3", int8_activations=True)
     n, k = 40, 512
-    layout = gguf.GGML_QUANT_SIZES[qtype]
     g = torch.Generator().manual_seed(21)
-    extreme = np.full((n, k // layout[0] * layout[1]), 0xFF, dtype=np.uint8)  # every quant (and scale) bit set
-    blocks = extreme.reshape(n, -1, layout[1])
-    for off in HALVES[qtype]:
-        blocks[:, :, off : off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    if qtype == Q.Q8_0:
-        blocks[: n // 2, :, 2:] = 0x80  # -128 in half the rows (-1 in the rest)
+    extreme = extreme_blocks(qtype, n, k)
     for raw in (extreme, random_blocks(qtype, n, k, seed=23)):
         packed = vnni.quant_pack(torch.from_numpy(raw), int(qtype))
         for m in (1, 2, 3, 4, 7):
             for x_dtype in (torch.float32, torch.bfloat16):
-                x = torch.randn(m, k, generator=g).to(x_dtype)
-                x[0] = 1.0  # every activation quantizes to 127
-                x[-1, :128] = -3.0  # -127
+                x = extreme_x(m, k, g, x_dtype)
                 a = avx2.quant_linear_i8(x, packed, int(qtype), n, None, torch.float32)
                 b = vnni.quant_linear_i8(x, packed, int(qtype), n, None, torch.float32)
                 assert torch.equal(a, b), (m, x_dtype, (a - b).abs().max().item())

@@ -1301,13 +1301,14 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
 
 #endif
 
-// ---- int8 activations (AVX512-VNNI + VBMI): quant_linear_i8 ------------------------------------------------------
+// ---- int8 activations (AVX512-VNNI + VBMI, or AVX2: the same bits): quant_linear_i8 -------------------------------
 //
 // llama.cpp's (and vLLM's GGUF kernels') numerics for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K: each row of x
 // is quantized to int8 per 32-k block (dx = max |x| / 127, q = x / dx rounded to nearest-even; an all-zero block has
 // dx = 0), and the result is the dequantized float32 weights times that quantized x: y = W . Q(x), Q(x) = dx * q.
 // The weights' quants meet the activations' in integer dot products (vpdpbusd: 4 unsigned bytes times 4 signed bytes
-// per int32 lane; one lane per output row of a panel), exact, so per 32-k block and output:
+// per int32 lane; one lane per output row of a panel; on AVX2 vpmaddubsw / vpmaddwd, see there), exact, so per 32-k
+// block and output:
 //   Q4_1: d dx (qw . qx) + m dx (sum qx)      Q4_0: d dx (qw . qx - 8 sum qx)      Q8_0: d dx ((qw + 128) . qx - 128 sum qx)
 //   Q5_1, Q5_0: as Q4_1, Q4_0 with 5-bit qw and 16 for 8      Q4_K, Q5_K, Q6_K: per sub-block, see their kernels
 // (Q8_0's signed quants are biased to unsigned by flipping their top bit, the bias taken out again exactly). Every
@@ -2357,7 +2358,7 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   return y;
 #else
   (void)p;
-  TORCH_CHECK(false, "quant_linear_i8: this build has no AVX2");
+  TORCH_CHECK(false, "quant_linear_i8: this build has no AVX2 + FMA + F16C");
   return y;
 #endif
 }
