@@ -309,10 +309,11 @@ struct Widen {
   template <bool HI>
   inline void get(int i, __m256& w0, __m256& w1) const {
     const int k = HI ? 16 + i : i;
-    if constexpr (T == kQ8_0) {
-      const __m128i v = ld(q + k * 16);
-      w0 = _mm256_mul_ps(i8lo(v), a0);
-      w1 = _mm256_mul_ps(i8hi(v), a1);
+    if constexpr (T == kQ8_0) {  // two 8-byte loads straight into vpmovsxbd (no shuffle for the high half)
+      const __m128i v0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16));
+      const __m128i v1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16 + 8));
+      w0 = _mm256_mul_ps(i8lo(v0), a0);
+      w1 = _mm256_mul_ps(i8lo(v1), a1);
     } else if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
       // byte i of a row holds weight i (low nibble) and 16 + i (high); weight k's high bit: bit k of qh
       const __m128i v = ld(q + i * 16);
