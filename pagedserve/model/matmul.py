@@ -68,8 +68,6 @@ GGUF_TYPE_IDS = {layout.name: t for t, layout in GGUF_BLOCK_LAYOUTS.items()}
 
 # Up to this many rows a matmul is a GEMV bound by reading the weight once (DecodeStack's limit too).
 GEMV_MAX_ROWS = 4
-# ggml type ids quant_linear_i8 reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): every type read in place.
-INT8_ACTIVATION_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 # Rows above which a bf16 matmul is done in float32 on CPUs without native bf16 math (AVX2 only): there
 # the bf16 GEMM is emulated and ~3x slower than float32 once compute-bound, while for a few rows
 # (decode of few sequences) it is memory-bound and bf16's halved weight traffic wins ~3x.
@@ -88,7 +86,7 @@ class Route(enum.IntEnum):
     LINEAR_F32 = 6  # F.linear in float32 over a float32 copy of a bf16 weight (a bf16 LM head, many rows)
     QUANT = 7  # GGUF quantized blocks read in place at every row count (csrc/quant_gemm.cpp)
     QUANT_BF16 = 8  # the same blocks as bf16 weights against bf16 activations (AVX512-BF16: quant_linear_bf16)
-    QUANT_I8 = 9  # few rows: INT8_ACTIVATION_TYPES' blocks against int8 activations (quant_linear_i8; opt-in)
+    QUANT_I8 = 9  # few rows: CpuKernels.quant_i8_types' blocks against int8 activations (quant_linear_i8; opt-in)
 
 
 @dataclass(slots=True)
@@ -238,9 +236,9 @@ class MatmulRoutes:
             bf16 = weight.dtype == torch.bfloat16 and kernels.quant_bf16
             self.few_rows = self.many_rows = Route.QUANT_BF16 if bf16 else Route.QUANT
             # Opted in (EngineConfig.int8_activations): a few rows quantize their activations, llama.cpp's way.
-            # (Every part's type must be one this build takes: CpuKernels.quant_i8_types.)
-            if kernels.quant_i8 and not batch_invariant and all(
-                    p.type_id in INT8_ACTIVATION_TYPES and p.type_id in kernels.quant_i8_types for p in self.quant):
+            # (Every part's type must be one the build takes: CpuKernels.quant_i8_types.)
+            if kernels.quant_i8 and not batch_invariant and all(p.type_id in kernels.quant_i8_types
+                                                                 for p in self.quant):
                 self.few_rows = Route.QUANT_I8
             return
         bf16 = weight.dtype == torch.bfloat16

@@ -96,15 +96,14 @@ def test_int8_activations_is_opt_in_and_not_with_the_strict_mode():
         EngineConfig(int8_activations=True, batch_invariant=True)
 
 
-def test_int8_route_is_for_few_rows_of_its_block_types(kernels, monkeypatch):
+def test_int8_route_is_for_few_rows_of_its_block_types(kernels):
     """QUANT_I8 takes the few-rows route of weights read in place in the block types it has kernels for, when the
     kernels offer it, never in the strict mode; many rows keep the model's route."""
-    from pagedserve.model import matmul
     from pagedserve.model.loader import IN_PLACE_TYPES
-    from pagedserve.model.matmul import INT8_ACTIVATION_TYPES, QuantPart, Route
+    from pagedserve.model.matmul import QuantPart, Route
 
     _, (_, raw) = q4_1_weight()
-    k8 = kernels.replace(quant_i8=True, quant_i8_types=INT8_ACTIVATION_TYPES)  # as an AVX2 build has them
+    k8 = kernels.replace(quant_i8=True)
     for km, strict, want in ((k8, False, Route.QUANT_I8), (k8, True, Route.QUANT), (kernels, False, Route.QUANT)):
         routes = MatmulRoutes()
         routes.quant = [QuantPart(3, kernels.quant_pack(raw, 3), raw.shape[0])]
@@ -117,22 +116,13 @@ def test_int8_route_is_for_few_rows_of_its_block_types(kernels, monkeypatch):
     k5[:, :4] = torch.tensor([0, 20, 0, 20], dtype=torch.uint8)  # d, dmin: small finite fp16
     raw256 = torch.randint(0, 256, (16, 8 * 20), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
     raw256.view(16, 8, 20)[:, :, :4] = torch.tensor([0, 20, 0, 20], dtype=torch.uint8)
-    assert matmul.INT8_ACTIVATION_TYPES == IN_PLACE_TYPES
+    assert kernels.quant_i8_types == IN_PLACE_TYPES  # every build with AVX2: the VNNI or the AVX2 kernels
+    q4_1, q5_k = QuantPart(3, kernels.quant_pack(raw256, 3), 16), QuantPart(13, kernels.quant_pack(k5, 13), 16)
     for narrowed in (False, True):
-        if narrowed:
-            monkeypatch.setattr(matmul, "INT8_ACTIVATION_TYPES", IN_PLACE_TYPES - {13})
-        for parts in ([QuantPart(13, kernels.quant_pack(k5, 13), 16)],
-                      [QuantPart(3, kernels.quant_pack(raw256, 3), 16), QuantPart(13, kernels.quant_pack(k5, 13), 16)]):
+        km = k8.replace(quant_i8_types=IN_PLACE_TYPES - {13}) if narrowed else k8
+        for parts, want in (([q5_k], Route.QUANT if narrowed else Route.QUANT_I8), ([q4_1], Route.QUANT_I8),
+                            ([q4_1, q5_k], Route.QUANT if narrowed else Route.QUANT_I8)):
             routes = MatmulRoutes()
             routes.quant = parts
-            routes.setup(torch.empty(16 * len(parts), 256), k8, pack=False, batch_hint=8, batch_invariant=False)
-            assert routes.few_rows == (Route.QUANT if narrowed else Route.QUANT_I8)
-    # A build without a type's int8 kernel (none today: every build with AVX2 has all) keeps a matmul with a part of
-    # that type off the route.
-    avx2 = k8.replace(quant_i8_types=frozenset({2, 3, 6, 7, 8}))
-    q4_1, q5_k = QuantPart(3, kernels.quant_pack(raw256, 3), 16), QuantPart(13, kernels.quant_pack(k5, 13), 16)
-    for parts, want in (([q5_k], Route.QUANT), ([q4_1], Route.QUANT_I8), ([q4_1, q5_k], Route.QUANT)):
-        routes = MatmulRoutes()
-        routes.quant = parts
-        routes.setup(torch.empty(16 * len(parts), 256), avx2, pack=False, batch_hint=8, batch_invariant=False)
-        assert routes.few_rows == want
+            routes.setup(torch.empty(16 * len(parts), 256), km, pack=False, batch_hint=8, batch_invariant=False)
+            assert routes.few_rows == want

@@ -13,6 +13,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGEDSERVE_AVX512 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
 #endif
 
 namespace pagedserve {
@@ -78,6 +80,24 @@ inline void dispatch_float_bf16(const torch::Tensor& t, const char* what, F&& bo
   }
 }
 
+#if defined(__AVX2__)
+// v as it is, opaque to the optimizer: -ffast-math lets GCC reassociate and contract float arithmetic written with
+// intrinsics, and how it does so depends on the code the function is inlined into. Two kernels that must give the
+// same bits through one inline function (silu_and_mul and the fused SwiGLU epilogue; the int8 GEMVs of the VNNI and
+// AVX2 builds) pin each intermediate with this (an empty asm that "changes" its register), so every inlining
+// computes the written sequence of operations.
+inline __m256 pinned(__m256 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+#endif
+#ifdef PAGEDSERVE_AVX512
+inline __m512 pinned(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+#endif
+
 #ifdef PAGEDSERVE_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -110,14 +130,6 @@ inline __m512 round16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(round_bf16_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// v as it is, opaque to the optimizer: -ffast-math lets GCC reassociate and contract float arithmetic written with
-// intrinsics, and how it does so depends on the code the function is inlined into. Two kernels that must give the
-// same bits through one inline function (silu_and_mul and the fused SwiGLU epilogue) pin each intermediate with this
-// (an empty asm that "changes" its register), so every inlining computes the written sequence of operations.
-inline __m512 pinned(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
 
 // e^x for 16 lanes: 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2; a few ulp (x clamped below at -87: e^x is 0 to
 // float32 precision there), inline (the same code for every lane and row; each step pinned, see pinned()).

@@ -1646,11 +1646,6 @@ inline void gemv_i8_rows(int64_t R, const XQ& xq, const uint8_t* panel, int64_t 
 // the bounds at kSteps16) before they are widened to int32. Q8_0's signed quants are widened to int16 and meet the
 // activations' int16 pairs in vpmaddwd (int32 straight away).
 
-inline __m256 pinned8(__m256 v) {
-  asm("" : "+v"(v));
-  return v;
-}
-
 // Planes j, j + 1 (32 bytes: 16 rows each) -> row r's two bytes at 2 r of lane r / 8 (rows 0-7 in lane 0).
 inline __m256i pair_rows(const uint8_t* planes) {
   const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes)), 0xD8);
@@ -1663,6 +1658,17 @@ inline __m256i pair_rows(const uint8_t* planes) {
 inline void widen_add(__m256i v, __m256i& s0, __m256i& s1) {
   s0 = _mm256_add_epi32(s0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
   s1 = _mm256_add_epi32(s1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+// The R x P panels' sums (rows 0-7, 8-15 of each) into acc as the VNNI kernels lay them out: row r, panel p at
+// r * 16 P + 16 p.
+template <int R, int P>
+inline void store_sums(const __m256 (*c)[2], float* acc) {
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) {
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i][0]);
+    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16 + 8, c[i][1]);
+  }
 }
 
 inline __m256i bcast16(const int8_t* p) {  // two int8 activations as every int16 lane's byte pair
@@ -1756,13 +1762,10 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
           for (int r = 0; r < R; ++r) widen_add(s16[r], s0[r], s1[r]);
         }
       }
-      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb)));
-      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 16)));
+      __m256 d0, d1;
+      halves(pb, d0, d1);
       [[maybe_unused]] __m256 m0, m1;
-      if constexpr (T == kQ4_1 || T == kQ5_1) {
-        m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 32)));
-        m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 48)));
-      }
+      if constexpr (T == kQ4_1 || T == kQ5_1) halves(pb + 32, m0, m1);
       PAGEDSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         const float dx = xq.dx[r * nb + b];
@@ -1774,27 +1777,17 @@ void gemv_i8_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, float* 
         }
         __m256* cc = c[r * P + p];
         const __m256 dxv = _mm256_set1_ps(dx);
-        cc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), pinned8(_mm256_mul_ps(d0, dxv)), cc[0]);
-        cc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), pinned8(_mm256_mul_ps(d1, dxv)), cc[1]);
+        cc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), pinned(_mm256_mul_ps(d0, dxv)), cc[0]);
+        cc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), pinned(_mm256_mul_ps(d1, dxv)), cc[1]);
         if constexpr (T == kQ4_1 || T == kQ5_1) {
-          const __m256 ms = pinned8(_mm256_set1_ps(dx * static_cast<float>(sq)));
+          const __m256 ms = pinned(_mm256_set1_ps(dx * static_cast<float>(sq)));
           cc[0] = _mm256_fmadd_ps(m0, ms, cc[0]);
           cc[1] = _mm256_fmadd_ps(m1, ms, cc[1]);
         }
       }
     }
   }
-  PAGEDSERVE_UNROLL
-  for (int i = 0; i < R * P; ++i) {
-    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i][0]);
-    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16 + 8, c[i][1]);
-  }
-}
-
-// 16 uint8 / int8 lanes (rows) -> float32 vectors of rows 0-7 and 8-15.
-inline void rows_u8(__m128i v, __m256& lo, __m256& hi) {
-  lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-  hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+  store_sums<R, P>(c, acc);
 }
 
 // Q4_K / Q5_K (see the VNNI kernel): per sub-block pair (2 t, 2 t + 1) 32 byte planes, plane i holding k = i of
@@ -1849,28 +1842,24 @@ void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
             widen_add(hi16[r], s[r][1][0], s[r][1][1]);
           }
         }
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb)));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 16)));
-        const __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 32)));
-        const __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 48)));
+        __m256 d0, d1, n0, n1;
+        halves(pb, d0, d1);
+        halves(pb + 32, n0, n1);
         PAGEDSERVE_UNROLL
         for (int h = 0; h < 2; ++h) {
           __m128i sc, mn;
           k_scale_min16(pb + 64, 2 * t + h, sc, mn);
-          __m256 sc0, sc1, mn0, mn1;
-          rows_u8(sc, sc0, sc1);
-          rows_u8(mn, mn0, mn1);
-          const __m256 scale[2] = {pinned8(_mm256_mul_ps(d0, sc0)), pinned8(_mm256_mul_ps(d1, sc1))};
-          const __m256 mins[2] = {pinned8(_mm256_mul_ps(n0, mn0)), pinned8(_mm256_mul_ps(n1, mn1))};
+          const __m256 scale[2] = {pinned(_mm256_mul_ps(d0, u8lo(sc))), pinned(_mm256_mul_ps(d1, u8hi(sc)))};
+          const __m256 mins[2] = {pinned(_mm256_mul_ps(n0, u8lo(mn))), pinned(_mm256_mul_ps(n1, u8hi(mn)))};
           PAGEDSERVE_UNROLL
           for (int r = 0; r < R; ++r) {
             const float dx = xq.dx[r * nb + b0 + h];
             const __m256 dxv = _mm256_set1_ps(dx);
-            const __m256 ms = pinned8(_mm256_set1_ps(dx * static_cast<float>(xq.sq[r * nb + b0 + h])));
+            const __m256 ms = pinned(_mm256_set1_ps(dx * static_cast<float>(xq.sq[r * nb + b0 + h])));
             PAGEDSERVE_UNROLL
             for (int e = 0; e < 2; ++e) {
               __m256& cc = c[r * P + p][e];
-              cc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][e]), pinned8(_mm256_mul_ps(scale[e], dxv)), cc);
+              cc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h][e]), pinned(_mm256_mul_ps(scale[e], dxv)), cc);
               cc = _mm256_fnmadd_ps(mins[e], ms, cc);
             }
           }
@@ -1878,11 +1867,7 @@ void gemv_i8_q4k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
       }
     }
   }
-  PAGEDSERVE_UNROLL
-  for (int i = 0; i < R * P; ++i) {
-    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i][0]);
-    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16 + 8, c[i][1]);
-  }
+  store_sums<R, P>(c, acc);
 }
 
 // Q6_K (see the VNNI kernel): per 128-k half h and 16-k sub-block s, plane pairs (kk, kk + 1) of ql at 64 h + kk and
@@ -1936,8 +1921,8 @@ void gemv_i8_q6k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
             for (int r = 0; r < R; ++r)
               for (int g = 0; g < 4; ++g) widen_add(a16[r][g], a[r][g][0], a[r][g][1]);
           }
-          const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb)));
-          const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 16)));
+          __m256 d0, d1;
+          halves(pb, d0, d1);
           PAGEDSERVE_UNROLL
           for (int g = 0; g < 4; ++g) {
             const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + sc_off + 16 * (8 * h + 2 * g + s)));
@@ -1947,7 +1932,7 @@ void gemv_i8_q6k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
               const int64_t b = b0 + g;
               const __m256i off = _mm256_set1_epi32(32 * xq.sq16[r * 2 * nb + 2 * b + s]);
               const __m256 dxv = _mm256_set1_ps(xq.dx[r * nb + b]);
-              const __m256 dd[2] = {pinned8(_mm256_mul_ps(d0, dxv)), pinned8(_mm256_mul_ps(d1, dxv))};
+              const __m256 dd[2] = {pinned(_mm256_mul_ps(d0, dxv)), pinned(_mm256_mul_ps(d1, dxv))};
               PAGEDSERVE_UNROLL
               for (int e = 0; e < 2; ++e) {
                 const __m256i tt = _mm256_mullo_epi32(_mm256_sub_epi32(a[r][g][e], off), sc[e]);
@@ -1959,11 +1944,7 @@ void gemv_i8_q6k_panels(const XQ& xq, const uint8_t* panel, int64_t pstride, flo
       }
     }
   }
-  PAGEDSERVE_UNROLL
-  for (int i = 0; i < R * P; ++i) {
-    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i][0]);
-    _mm256_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16 + 8, c[i][1]);
-  }
+  store_sums<R, P>(c, acc);
 }
 
 template <int64_t T, int P>
@@ -2031,7 +2012,7 @@ void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, 
       alignas(32) int32_t qi[32];
       for (int i = 0; i < 32; i += 8)
         _mm256_store_si256(reinterpret_cast<__m256i*>(qi + i),
-                           _mm256_cvtps_epi32(pinned8(_mm256_mul_ps(_mm256_load_ps(v + i), id))));
+                           _mm256_cvtps_epi32(pinned(_mm256_mul_ps(_mm256_load_ps(v + i), id))));
       int32_t h0 = 0, h1 = 0;
       for (int i = 0; i < 32; ++i) {
         const int32_t qv = std::clamp(qi[i], -127, 127);  // |x| * 127 / max rounds to at most 127 already
