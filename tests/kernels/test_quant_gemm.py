@@ -10,6 +10,8 @@ scale and high bit occurs; the legacy types are also checked on blocks gguf-py q
 
 from __future__ import annotations
 
+import resource
+
 import gguf
 import numpy as np
 import pytest
@@ -126,6 +128,54 @@ def test_linear_on_blocks_gguf_py_quantized(kernels, qtype):
     raw = gguf.quants.quantize(w, qtype)
     assert raw.dtype == np.uint8 and raw.shape[0] == 21
     check_linear(kernels, qtype, raw, (1, 4, 9), seed=6)
+
+
+def test_large_outputs_reuse_kept_buffers_only_once_nothing_holds_them(kernels):
+    """Outputs of 32 MB or more (an LM head's logits over a large vocabulary) come from buffers kept per thread (at
+    most two) instead of a fresh mmap whose pages fault in at every call: a buffer is handed out again only once the
+    output made from it, and every view of it, is gone; a smaller output reuses a larger buffer, a larger one regrows
+    it. Values: quant_linear = fixed_linear (both take their outputs this way) bit for bit, and outputs still held keep
+    theirs while later calls write."""
+    n, k = 98_304, 32  # [128, n] float32: 50 MB; [96, n]: 38 MB; [160, n]: 63 MB; [64, n]: 25 MB (a plain allocation)
+    raw = random_blocks(Q.Q8_0, n, k, seed=11)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(Q.Q8_0))
+    fixed = kernels.fixed_pack(dequantize(raw, Q.Q8_0))
+    g = torch.Generator().manual_seed(12)
+    xa, xb = torch.randn(160, k, generator=g), torch.randn(160, k, generator=g)
+
+    def linear(x):
+        return kernels.quant_linear(x, packed, int(Q.Q8_0), n, None, torch.float32)
+
+    def ref(x):
+        return kernels.fixed_linear(x, fixed, n, None, torch.float32)
+
+    expect_a, expect_b = ref(xa[:128]).clone(), ref(xb[:128]).clone()
+    y1 = linear(xa[:128])
+    y2 = linear(xb[:128])  # y1 held: the other kept buffer
+    y3 = linear(xa[:128])  # both held: a plain allocation
+    ptrs = {y.data_ptr() for y in (y1, y2, y3)}
+    assert len(ptrs) == 3
+    assert torch.equal(y1, expect_a) and torch.equal(y2, expect_b) and torch.equal(y3, expect_a)
+    p1, p2 = y1.data_ptr(), y2.data_ptr()
+    view = y1[3:5]  # keeps y1's buffer
+    del y1, y3
+    y4 = linear(xb[:128])
+    assert y4.data_ptr() not in (p1, p2) and torch.equal(y4, expect_b)
+    assert torch.equal(view, expect_a[3:5])
+    del y2, y4
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y5 = linear(xa[:96])  # y2's buffer is free again: reused, for fewer rows, its pages already in
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    assert faults < 1000, f"{faults} page faults for a 38 MB output (9,216 pages): its buffer was not reused"
+    assert y5.data_ptr() == p2 and torch.equal(y5, expect_a[:96]) and torch.equal(view, expect_a[3:5])
+    del view, y5
+    y6 = linear(xb[:96])
+    assert y6.data_ptr() in (p1, p2) and torch.equal(y6, expect_b[:96])
+    del y6
+    y7 = linear(xa)  # more than either buffer holds: one regrows
+    assert torch.equal(y7, ref(xa)) and y7.shape == (160, n)
+    y8 = linear(xb[:64])  # under 32 MB: a plain allocation
+    assert y8.data_ptr() not in (p1, p2, y7.data_ptr()) and torch.equal(y8, expect_b[:64])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)

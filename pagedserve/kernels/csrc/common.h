@@ -19,6 +19,42 @@
 
 namespace pagedserve {
 
+// A matmul's output [M, N]. One of 32 MB or more (an LM head's float32 logits over a large vocabulary: Gemma 3's
+// 262,144 columns at a decode step's 128 rows are 134 MB) is beyond the largest size glibc's malloc serves from its
+// heap, so each torch::empty of it is a fresh mmap whose pages fault in, zeroed, as the kernel first writes them:
+// 32,768 faults and ~30 ms for those 134 MB, a fifth of the matmul, at every call. Such outputs are views of buffers
+// kept per thread instead (at most kKeptOutputs, grown as needed), a buffer handed out again only once nothing holds
+// the last output made from it (a caller keeping the logits, or any view of them, makes the next call take another
+// buffer or a plain allocation). Every kernel using it writes all of its output.
+constexpr int64_t kKeptOutputBytes = int64_t{32} << 20, kKeptOutputs = 2;
+
+inline torch::Tensor matmul_output(int64_t M, int64_t N, const torch::TensorOptions& opt) {
+  const int64_t bytes = M * N * static_cast<int64_t>(opt.dtype().itemsize());
+  if (bytes < kKeptOutputBytes) return torch::empty({M, N}, opt);
+  thread_local std::vector<torch::Tensor> kept;  // uint8 buffers; use_count() 1: no output of it alive
+  torch::Tensor* buf = nullptr;
+  for (auto& b : kept) {
+    if (b.use_count() != 1) continue;
+    if (b.numel() >= bytes) {
+      buf = &b;
+      break;
+    }
+    if (buf == nullptr) buf = &b;  // free but too small: regrown below unless a large enough one is free
+  }
+  if (buf == nullptr) {
+    if (static_cast<int64_t>(kept.size()) >= kKeptOutputs) return torch::empty({M, N}, opt);
+    buf = &kept.emplace_back();
+  }
+  if (!buf->defined() || buf->numel() < bytes) {
+    // Grown by half again at least, so that a run of slowly growing outputs (a W1 run's mixed steps) regrows rarely.
+    const int64_t size = buf->defined() ? std::max(bytes, buf->numel() * 3 / 2) : bytes;
+    *buf = torch::Tensor();
+    *buf = torch::empty({size}, torch::TensorOptions().dtype(torch::kUInt8));
+  }
+  torch::Tensor keep = *buf;  // released when the output's storage is freed
+  return torch::from_blob(buf->data_ptr(), {M, N}, [keep](void*) mutable { keep = torch::Tensor(); }, opt);
+}
+
 template <typename S>
 struct Elem;
 

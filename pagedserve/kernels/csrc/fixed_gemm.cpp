@@ -137,7 +137,7 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10
     TORCH_CHECK(bias->numel() == N, "fixed_linear: bias must have N elements");
     bf = bias->to(torch::kFloat32).contiguous();
   }
-  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  auto y = matmul_output(M, N, x.options().dtype(out_dtype));
   if (M == 0) return y;
   const float* xp = xf.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;

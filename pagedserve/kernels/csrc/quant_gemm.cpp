@@ -2147,7 +2147,7 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, i
   const int64_t M = x.size(0);
   auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
   const torch::Tensor bf = checked_bias(bias, N, "quant_linear");
-  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  auto y = matmul_output(M, N, x.options().dtype(out_dtype));
   if (M == 0) return y;
   const float* xp = xf.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
@@ -2202,7 +2202,7 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_bf16");
   const torch::Tensor bf = checked_bias(bias, N, "quant_linear_bf16");
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  auto y = matmul_output(M, N, x.options().dtype(out_dtype));
   if (M == 0) return y;
 #ifdef PAGEDSERVE_QUANT_BF16
   const uint16_t* xp = ptr<uint16_t>(x);
@@ -2241,7 +2241,7 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
   }
 #endif
   if (M > few) {
-    auto y = torch::empty({M, N / 2}, x.options());
+    auto y = matmul_output(M, N / 2, x.options());
     const uint16_t* xp = ptr<uint16_t>(x);
     const uint8_t* wp = p.data_ptr<uint8_t>();
     dispatch_type(type, [&]<int64_t T>() {
@@ -2304,7 +2304,7 @@ torch::Tensor quant_linear_i8(torch::Tensor x, std::vector<torch::Tensor> packed
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, out_dtype, "quant_linear_i8");
   const torch::Tensor bf = checked_bias(bias, N, "quant_linear_i8");
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(out_dtype));
+  auto y = matmul_output(M, N, x.options().dtype(out_dtype));
   if (M == 0) return y;
 #ifdef PAGEDSERVE_QUANT_I8
   const int64_t nb = K / 32;
