@@ -4,10 +4,9 @@ Per step, sequences are split into two groups — decodes (one new token) and pr
 so a long prefill does not pad every decode to its length. Decodes use a small C++ kernel that reads
 K/V through the block table in place (pagedserve/kernels/csrc/attention.cpp); prefill chunks the C++ row
 kernel (`paged_attention_rows`: each row over its own context in a fixed order, so chunking and batching
-do not change a row). Without the kernels, or where a layer's sliding window cuts some context, both gather
-each sequence's context through its block table in one indexing op, and a single masked
-`scaled_dot_product_attention` call (GQA-aware) does the math (with soft-capping, Gemma 2: the same
-gather, explicit scores). Index tensors are built once per step in `prepare`, masks once per step and
+do not change a row); both take the layer's sliding window. Without the kernels, or with soft-capping (Gemma 2),
+both gather each sequence's context through its block table in one indexing op, and a single masked
+`scaled_dot_product_attention` call (GQA-aware) does the math (soft-capped: the same gather, explicit scores). Index tensors are built once per step in `prepare`, masks once per step and
 window, and reused by every layer.
 """
 
@@ -71,9 +70,9 @@ def _build_group(meta: AttentionMetadata, seqs: list[int]) -> _Group:
 
 
 class BatchedGatherBackend(AttentionBackend):
-    """Decodes go to the C++ kernel that reads the paged cache in place (with the layer's sliding window),
-    prefill chunks to the C++ row kernel (when the kernels could be built, the layer's window cuts nothing and
-    there is no soft-capping); otherwise the gather + SDPA path."""
+    """Decodes go to the C++ kernel that reads the paged cache in place, prefill chunks to the C++ row kernel, both
+    with the layer's sliding window (when the kernels could be built and there is no soft-capping); otherwise the
+    gather + SDPA path."""
 
     name = "batched"
 
@@ -89,12 +88,9 @@ class BatchedGatherBackend(AttentionBackend):
         prefills = [i for i, q in enumerate(meta.query_lens) if q > 1]
         meta.prepared["groups"] = [_build_group(meta, g) for g in (decodes, prefills) if g]
 
-    def _kernels_apply(self, meta: AttentionMetadata, window: int | None, softcap: float | None,
-                       decode: bool) -> bool:
-        """A group runs the C++ kernels: no soft-capping, and for prefill rows no window that cuts (the decode
-        kernel takes the window, the row kernel none)."""
-        on_cpu = self.kernels is not None and meta.slot_mapping.device.type == "cpu"
-        return on_cpu and softcap is None and (decode or window is None)
+    def _kernels_apply(self, meta: AttentionMetadata, softcap: float | None) -> bool:
+        """The step runs the C++ kernels: they are built, the step is on the CPU, and no soft-capping."""
+        return self.kernels is not None and meta.slot_mapping.device.type == "cpu" and softcap is None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None,
                 softcap=None) -> torch.Tensor:
@@ -106,9 +102,9 @@ class BatchedGatherBackend(AttentionBackend):
         groups = meta.prepared["groups"]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_heads, head_dim = q.shape[1], q.shape[2]
-        # The kernels have no soft-capping and the row kernel no sliding window: those take the gather path.
+        # The kernels have no soft-capping: that takes the gather path.
+        use_kernel = self._kernels_apply(meta, softcap)
         for g in groups:
-            use_kernel = self._kernels_apply(meta, window, softcap, g.is_decode)
             if g.is_decode and use_kernel:
                 # Reads each query row of q in place and writes its output row of `out`; a batch of only
                 # decodes needs no row index at all.
@@ -122,10 +118,10 @@ class BatchedGatherBackend(AttentionBackend):
                 # half of causal attention is never computed.
                 if len(groups) == 1:  # every row of the step, in order: q read in place, no copy back
                     return self.kernels.paged_attention_rows(q, k_cache, v_cache, g.block_tables, g.seq_lens,
-                                                             g.q_start, scale)
+                                                             g.q_start, scale, window)
                 # Among decode rows: the kernel reads its rows of q and writes its rows of `out` in place.
                 self.kernels.paged_attention_rows_into(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.q_start,
-                                                       g.out_rows, out, scale)
+                                                       g.out_rows, out, scale, window)
                 continue
             G, max_q = g.token_index.shape
             keys = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]

@@ -136,15 +136,18 @@ class CpuKernels:
         """window: a sliding window (each sequence's last `window` keys); None: every key."""
         self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale, window or 0)
 
-    def paged_attention_rows(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float):
-        """The strict mode's attention: every query row over its own context in a per-row fixed order."""
-        return self.ext.paged_attention_rows(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    def paged_attention_rows(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+                             window: int | None = None):
+        """Every query row over its own context in a per-row fixed order (prefill chunks; the strict mode's every
+        row). window: a sliding window (each row's last `window` positions, itself included); None: every key."""
+        return self.ext.paged_attention_rows(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                             window or 0)
 
     def paged_attention_rows_into(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, out,
-                                  scale: float) -> None:
+                                  scale: float, window: int | None = None) -> None:
         """paged_attention_rows over the rows q[rows] (query_start_loc indexes rows), written to out[rows] in place."""
         self.ext.paged_attention_rows_into(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, out,
-                                           scale)
+                                           scale, window or 0)
 
     # ---- the batch-invariant matmul (csrc/fixed_gemm.cpp; every build) -----------------------------
     def fixed_pack(self, weight):

@@ -186,7 +186,7 @@ constexpr int64_t kTileRows = 12;
 template <typename S>
 void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const int64_t* block_tables,
                        const int64_t* seq_lens, const int64_t* qsl, float* out, int64_t B, int64_t H, int64_t KVH,
-                       int64_t D, int64_t BS, int64_t W, float scale) {
+                       int64_t D, int64_t BS, int64_t W, float scale, int64_t window) {
   using fixed::kMR;
   using fixed::kNR;
   const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row;
@@ -200,6 +200,9 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
       const int64_t R = std::min(qsl[b + 1], r0 + kTileRows) - r0, M = R * group;
       const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);
       const int64_t S_min = first + 1, S_max = first + R;  // row i sees first + i + 1 keys
+      // With a sliding window row i sees keys lo(i) .. first + i only; keys L_max .. S_min - 1 every row sees.
+      auto lo = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, first + i + 1 - window) : int64_t{0}; };
+      const int64_t L_min = lo(0), L_max = lo(R - 1);
       const int64_t stride = (S_max + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
       const int64_t* table = block_tables + b * W;
       // Scores of query vector m = i * group + g of kv head kvh: row (kvh * M + m) of sc.
@@ -214,7 +217,7 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
           std::copy(q + ((r0 + i) * H + kvh * group) * D, q + ((r0 + i) * H + kvh * group + group) * D, qv + i * group * D);
         float* skv = sc + kvh * M * stride;
         // Scores: kT = the next (up to) 16 keys transposed, [D][16]; every query vector times them.
-        for (int64_t j0 = 0; j0 < S_max; j0 += kNR) {
+        for (int64_t j0 = L_min; j0 < S_max; j0 += kNR) {
           const int64_t n = std::min(kNR, S_max - j0);
           for (int64_t t = 0; t < kNR; ++t) {
             const int64_t j = j0 + t;
@@ -232,22 +235,34 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
               for (int64_t t = 0; t < n; ++t) skv[(m0 + m) * stride + j0 + t] = tmp[m * kNR + t] * scale;
           }
         }
-        for (int64_t m = 0; m < M; ++m) softmax_inplace(skv + m * stride, first + m / group + 1);
-        // Outputs: keys [0, S_min) (seen by every row) in tiles over each block's V rows, block by block.
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t l = lo(m / group);
+          softmax_inplace(skv + m * stride + l, first + m / group + 1 - l);
+        }
+        // Outputs, each one FMA chain over its row's keys in order: first each row's keys before L_max (a window's
+        // rows whose first key is earlier than the last row's), one FMA step each; then keys [L_max, S_min) (seen by
+        // every row) in tiles over each block's V rows, block by block; then each row's keys from S_min on.
         float* akv = acc + kvh * M * D;
-        for (int64_t j0 = 0; j0 < S_min; j0 += BS) {
-          const int64_t n = std::min(BS, S_min - j0);
-          const S* vblk = v_cache + table[j0 / BS] * block_stride + kvh * D;
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t j = lo(m / group); j < std::min(L_max, first + m / group + 1); ++j) {
+            const S* vrow = v_cache + table[j / BS] * block_stride + (j % BS) * row + kvh * D;
+            fixed::axpy_step(skv[m * stride + j], vrow, akv + m * D, D);
+          }
+        }
+        for (int64_t j0 = L_max; j0 < S_min;) {
+          const int64_t n = std::min(BS - j0 % BS, S_min - j0);
+          const S* vblk = v_cache + table[j0 / BS] * block_stride + (j0 % BS) * row + kvh * D;
           for (int64_t m0 = 0; m0 < M; m0 += kMR) {
             const int64_t Rm = std::min(kMR, M - m0);
             for (int64_t d0 = 0; d0 < D; d0 += kNR)
               fixed::tile_rows<S, 0, true>(Rm, skv + m0 * stride + j0, stride, vblk + d0, row, n, akv + m0 * D + d0, D);
           }
+          j0 += n;
         }
         // Each row's keys past S_min (row i has i of them), one FMA step each, in key order.
         for (int64_t m = 0; m < M; ++m) {
           const int64_t ctx = first + m / group + 1;
-          for (int64_t j = S_min; j < ctx; ++j) {
+          for (int64_t j = std::max(S_min, L_max); j < ctx; ++j) {
             const S* vrow = v_cache + table[j / BS] * block_stride + (j % BS) * row + kvh * D;
             fixed::axpy_step(skv[m * stride + j], vrow, akv + m * D, D);
           }
@@ -262,7 +277,7 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
 template <typename T>
 void rows_kernel(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                  const int64_t* seq_lens, const int64_t* qsl, float* out, int64_t B, int64_t H, int64_t KVH,
-                 int64_t D, int64_t BS, int64_t W, float scale) {
+                 int64_t D, int64_t BS, int64_t W, float scale, int64_t window) {
   const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row;
   // Work items: (sequence, tile of up to kRowTile consecutive query rows).
   std::vector<std::pair<int64_t, int64_t>> items;
@@ -279,13 +294,15 @@ void rows_kernel(const float* q, const T* k_cache, const T* v_cache, const int64
       buf.resize(R * H * stride + kAlignFloats);
       float* scores = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
       const int64_t* table = block_tables + b * W;
-      auto ctx = [&](int64_t i) { return first + (r0 - qsl[b]) + i + 1; };  // keys row r0 + i sees
-      for (int64_t j0 = 0; j0 < S_max; j0 += BS) {
+      auto ctx = [&](int64_t i) { return first + (r0 - qsl[b]) + i + 1; };  // keys row r0 + i sees: lo(i) .. ctx(i) - 1
+      auto lo = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, ctx(i) - window) : int64_t{0}; };
+      const int64_t start = lo(0) / BS * BS;
+      for (int64_t j0 = start; j0 < S_max; j0 += BS) {
         const T* base = k_cache + table[j0 / BS] * block_stride;
         const int64_t n = std::min(BS, S_max - j0);
         for (int64_t t = 0; t < n; ++t) {
           for (int64_t i = 0; i < R; ++i) {
-            if (j0 + t >= ctx(i)) continue;
+            if (j0 + t >= ctx(i) || j0 + t < lo(i)) continue;
             const float* qr = q + (r0 + i) * H * D;
             for (int64_t kvh = 0; kvh < KVH; ++kvh) {
               legacy::group_dots(qr + kvh * group * D, base + t * row + kvh * D, group, D, scale,
@@ -295,15 +312,15 @@ void rows_kernel(const float* q, const T* k_cache, const T* v_cache, const int64
         }
       }
       for (int64_t i = 0; i < R; ++i)
-        for (int64_t h = 0; h < H; ++h) softmax_inplace(scores + (i * H + h) * stride, ctx(i));
+        for (int64_t h = 0; h < H; ++h) softmax_inplace(scores + (i * H + h) * stride + lo(i), ctx(i) - lo(i));
       float* o = out + r0 * H * D;
       std::fill(o, o + R * H * D, 0.f);
-      for (int64_t j0 = 0; j0 < S_max; j0 += BS) {
+      for (int64_t j0 = start; j0 < S_max; j0 += BS) {
         const T* base = v_cache + table[j0 / BS] * block_stride;
         const int64_t n = std::min(BS, S_max - j0);
         for (int64_t t = 0; t < n; ++t) {
           for (int64_t i = 0; i < R; ++i) {
-            if (j0 + t >= ctx(i)) continue;
+            if (j0 + t >= ctx(i) || j0 + t < lo(i)) continue;
             for (int64_t h = 0; h < H; ++h) {
               const T* vrow = base + t * row + (h / group) * D;
               const float p = scores[(i * H + h) * stride + j0 + t];
@@ -792,18 +809,25 @@ inline std::vector<std::tuple<int64_t, int64_t, int64_t>> work_items(const int64
 }
 
 // One work item: sequence b's query rows r0 .. r0 + R - 1 for kv head kvh, M = R * group query vectors; row i of
-// the tile sees keys 0 .. first + i.
+// the tile sees keys 0 .. first + i, or with a sliding window (window > 0) its last `window` of them only.
 // rows (null: the identity) maps the call's row i to its row of q and out.
 struct RowTile {
-  int64_t b, r0, kvh, R, first, M;
+  int64_t b, r0, kvh, R, first, M, window;
   const int64_t* rows;
   RowTile(const std::tuple<int64_t, int64_t, int64_t>& item, const int64_t* qsl, const int64_t* seq_lens, int64_t group,
-          const int64_t* rows)
+          const int64_t* rows, int64_t window)
       : b(std::get<0>(item)), r0(std::get<1>(item)), kvh(std::get<2>(item)),
         R(std::min(qsl[b + 1], r0 + kTile) - r0), first(seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b])),
-        M(R * group), rows(rows) {}
+        M(R * group), window(window), rows(rows) {}
   int64_t row(int64_t i) const { return rows ? rows[r0 + i] : r0 + i; }  // q / out row of the tile's row i
+  // The first key row i sees (its context is first + i + 1 keys).
+  int64_t lo(int64_t i) const { return window > 0 ? std::max<int64_t>(0, first + i + 1 - window) : 0; }
 };
+
+// The first key any row of this step's rows of sequence b sees (0 without a window): the layout starts at its block.
+inline int64_t first_key(const int64_t* qsl, const int64_t* seq_lens, int64_t b, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, seq_lens[b] - (qsl[b + 1] - qsl[b]) + 1 - window) : 0;
+}
 
 // A 16 x 16 matrix of 32-bit elements, one row per register, transposed in place (r[i] lane j <-> r[j] lane i):
 // four butterfly stages (h = 8, 4, 2, 1), each exchanging the off-diagonal h x h sub-blocks of every 2h x 2h block:
@@ -837,27 +861,36 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Every (sequence, kv head)'s K as rows [block][32 keys][D] and V^T [block][D][32 keys] (see above).
+// Every (sequence, kv head)'s K as rows [block][32 keys][D] and V^T [block][D][32 keys] (see above), from the
+// sequence's block b0 on (0; with a sliding window, the block of the first key any of its rows sees).
 struct Layout {
-  std::vector<int64_t> nb, base;
+  std::vector<int64_t> nb, base, b0;
   uint16_t *K0, *V0;  // in the calling thread's buffers (below), valid until its next lay_out
   int64_t blk;  // uint16 per block of K (and of V)
-  const uint16_t* k_blocks(int64_t b, int64_t kvh) const { return K0 + (base[b] + kvh * nb[b]) * blk; }
-  const uint16_t* v_blocks(int64_t b, int64_t kvh) const { return V0 + (base[b] + kvh * nb[b]) * blk; }
+  // Absolute block jb (>= b0[b]) of sequence b, kv head kvh.
+  const uint16_t* k_block(int64_t b, int64_t kvh, int64_t jb) const {
+    return K0 + (base[b] + kvh * nb[b] + jb - b0[b]) * blk;
+  }
+  const uint16_t* v_block(int64_t b, int64_t kvh, int64_t jb) const {
+    return V0 + (base[b] + kvh * nb[b] + jb - b0[b]) * blk;
+  }
 };
 
 inline Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables, const int64_t* seq_lens,
-                      int64_t B, int64_t KVH, int64_t D, int64_t BS, int64_t W) {
+                      const int64_t* qsl, int64_t B, int64_t KVH, int64_t D, int64_t BS, int64_t W, int64_t window) {
   const int64_t row = KVH * D, block_stride = BS * row;
   Layout L;
   L.blk = kBlock * D;
   L.nb.resize(B);
+  L.b0.resize(B);
   L.base.assign(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    L.nb[b] = (seq_lens[b] + kBlock - 1) / kBlock;
+    L.b0[b] = first_key(qsl, seq_lens, b, window) / kBlock;
+    L.nb[b] = (seq_lens[b] + kBlock - 1) / kBlock - L.b0[b];
     L.base[b + 1] = L.base[b] + L.nb[b] * KVH;
   }
   const std::vector<int64_t>& nb = L.nb;
+  const std::vector<int64_t>& b0 = L.b0;
   const std::vector<int64_t>& base = L.base;
   const int64_t blk = L.blk;
   // Reused from call to call (every element below is written before it is read): no allocation, no zeroing.
@@ -875,7 +908,7 @@ inline Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* blo
   at::parallel_for(0, base[B], 4, [&](int64_t i0, int64_t i1) {  // one 32-key block at a time
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = std::upper_bound(base.begin(), base.end(), i) - base.begin() - 1;
-      const int64_t x = i - base[b], kvh = x / nb[b], j0 = (x % nb[b]) * kBlock, S = seq_lens[b];
+      const int64_t x = i - base[b], kvh = x / nb[b], j0 = (b0[b] + x % nb[b]) * kBlock, S = seq_lens[b];
       uint16_t* kd = K0 + i * blk;
       uint16_t* vd = V0 + i * blk;
       // The block's 32 cache rows (this kv head's part; null past the sequence's last key).
@@ -915,15 +948,18 @@ inline Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* blo
   return L;
 }
 
-// The 16 query vectors m0 .. m0 + nv - 1 of a tile as qT [d / 2][16] (d, d + 1) pairs, and each one's context length
-// in ctx_l. Padding lanes: a vector of zeros that sees key 0 (finite everywhere, never written out).
+// The 16 query vectors m0 .. m0 + nv - 1 of a tile as qT [d / 2][16] (d, d + 1) pairs, each one's context length
+// in ctx_l and the first key it sees in lo_l. Padding lanes: a vector of zeros that sees the first key of the tile's
+// first vector (finite everywhere, never written out).
 inline void load_vectors(const uint16_t* q, int64_t qs, const RowTile& tile, int64_t m0, int64_t nv, int64_t group,
-                         int64_t D, uint32_t* qT, int32_t* ctx_l) {
+                         int64_t D, uint32_t* qT, int32_t* ctx_l, int32_t* lo_l) {
   const uint16_t* qv[16];
+  const int64_t lo0 = tile.lo(m0 / group);
   for (int64_t v = 0; v < 16; ++v) {
     const int64_t m = m0 + v;
     qv[v] = v < nv ? q + tile.row(m / group) * qs + (tile.kvh * group + m % group) * D : nullptr;
-    ctx_l[v] = v < nv ? static_cast<int32_t>(tile.first + m / group + 1) : 1;
+    ctx_l[v] = v < nv ? static_cast<int32_t>(tile.first + m / group + 1) : static_cast<int32_t>(lo0 + 1);
+    lo_l[v] = static_cast<int32_t>(v < nv ? tile.lo(m / group) : lo0);
   }
   if (D % 32 == 0) {  // 16 pairs of each vector per register, transposed
     for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
@@ -943,10 +979,12 @@ inline void load_vectors(const uint16_t* q, int64_t qs, const RowTile& tile, int
 }
 
 // One block's online softmax step for 16 vectors: sT [32 keys][16 vectors] raw scores of the block at key j0, scv
-// the score scale times log2 e. Updates the running max mv and sum lv, writes P^T as bf16 (key 2 t, 2 t + 1) pairs
-// to pT [16][16], sets grew (the lanes whose max grew) and returns each lane's alpha = e^(m_old - m_new).
-inline __m512 softmax_block(const float* sT, __m512i ctx, int64_t j0, bool masked, __m512 scv, __m512& mv, __m512& lv,
-                            uint32_t* pT, __mmask16& grew) {
+// the score scale times log2 e; masked: some lane does not see some key of the block (key j visible to a lane where
+// lo <= j < ctx). Updates the running max mv and sum lv, writes P^T as bf16 (key 2 t, 2 t + 1) pairs to pT [16][16],
+// sets grew (the lanes whose max grew) and returns each lane's alpha = e^(m_old - m_new). A lane that has seen no key
+// yet keeps mv = -inf, lv = 0 and (alpha = 0, P = 0) its zero output.
+inline __m512 softmax_block(const float* sT, __m512i ctx, __m512i lo, int64_t j0, bool masked, __m512 scv, __m512& mv,
+                            __m512& lv, uint32_t* pT, __mmask16& grew) {
   const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                             21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
@@ -957,7 +995,8 @@ inline __m512 softmax_block(const float* sT, __m512i ctx, int64_t j0, bool maske
   for (int64_t j = 0; j < kBlock; ++j) {
     sj[j] = _mm512_mul_ps(_mm512_load_ps(sT + j * 16), scv);
     if (masked) {
-      vis[j] = _mm512_cmpgt_epi32_mask(ctx, _mm512_set1_epi32(static_cast<int32_t>(j0 + j)));
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
+      vis[j] = _mm512_mask_cmple_epi32_mask(_mm512_cmpgt_epi32_mask(ctx, key), lo, key);
       sj[j] = _mm512_mask_blend_ps(vis[j], ninf, sj[j]);
     }
     bmax = _mm512_max_ps(bmax, sj[j]);
@@ -1063,10 +1102,9 @@ inline void pv16(const uint16_t* vd, const uint32_t* pT, int64_t d0, bool scale,
 
 void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
          const int64_t* seq_lens, const int64_t* qsl, const int64_t* rows, uint16_t* out, int64_t B, int64_t H,
-         int64_t KVH, int64_t D, int64_t BS, int64_t W, float scale) {
+         int64_t KVH, int64_t D, int64_t BS, int64_t W, float scale, int64_t window) {
   const int64_t group = H / KVH;
-  const Layout L = lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
-  const int64_t blk = L.blk;
+  const Layout L = lay_out(kc, vc, block_tables, seq_lens, qsl, B, KVH, D, BS, W, window);
   const auto items = work_items(qsl, seq_lens, B, KVH);
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
@@ -1076,30 +1114,32 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     alignas(64) float sT[kBlock * 16];
     alignas(64) uint32_t pT[16 * 16];
     alignas(64) float acc[256 * 16];
-    alignas(64) int32_t ctx_l[16];
+    alignas(64) int32_t ctx_l[16], lo_l[16];
     const __m512 scv = _mm512_set1_ps(scale * 1.4426950408889634f);  // scores in log2 units
     for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {  // until no item is left
-      const RowTile tile(items[it], qsl, seq_lens, group, rows);
+      const RowTile tile(items[it], qsl, seq_lens, group, rows, window);
       const int64_t first = tile.first, M = tile.M;
-      const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
-      const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
       for (int64_t m0 = 0; m0 < M; m0 += 16) {  // 16 query vectors at a time
         const int64_t nv = std::min<int64_t>(16, M - m0);
-        load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l);
-        const __m512i ctx = _mm512_load_si512(ctx_l);
+        load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l, lo_l);
+        const __m512i ctx = _mm512_load_si512(ctx_l), lo = _mm512_load_si512(lo_l);
         const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
+        const int64_t lmin = lo_l[0], lmax = tile.lo((m0 + nv - 1) / group);
         __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
         std::memset(acc, 0, D * 16 * sizeof(float));
+        // Blocks from the one holding the first key any of the vectors sees (earlier ones would leave every lane
+        // unchanged: a row's bits do not depend on where its tile starts).
         const int64_t nblk = (cmax + kBlock - 1) / kBlock;
-        for (int64_t jb = 0; jb < nblk; ++jb) {
+        for (int64_t jb = lmin / kBlock; jb < nblk; ++jb) {
           const int64_t j0 = jb * kBlock;
-          const uint16_t* kd = kb + jb * blk;
+          const uint16_t* kd = L.k_block(tile.b, tile.kvh, jb);
           scores16(kd, qT, D, sT);
           scores16(kd + 16 * D, qT, D, sT + 16 * 16);
           __mmask16 grew;
-          const __m512 alpha = softmax_block(sT, ctx, j0, j0 + kBlock > cmin, scv, mv, lv, pT, grew);
-          const bool rescale = jb > 0 && grew;
-          for (int64_t d0 = 0; d0 < D; d0 += 16) pv16(vb + jb * blk, pT, d0, rescale, alpha, acc);
+          const bool masked = j0 + kBlock > cmin || j0 < lmax;
+          const __m512 alpha = softmax_block(sT, ctx, lo, j0, masked, scv, mv, lv, pT, grew);
+          const bool rescale = jb > lmin / kBlock && grew;
+          for (int64_t d0 = 0; d0 < D; d0 += 16) pv16(L.v_block(tile.b, tile.kvh, jb), pT, d0, rescale, alpha, acc);
         }
         write_vectors(acc, lv, tile, m0, nv, group, H, D, out);
       }
@@ -1121,10 +1161,9 @@ using rows_bf16::RowTile;
 
 void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* block_tables,
          const int64_t* seq_lens, const int64_t* qsl, const int64_t* rows, uint16_t* out, int64_t B, int64_t H,
-         int64_t KVH, int64_t D, int64_t BS, int64_t W, float scale) {
+         int64_t KVH, int64_t D, int64_t BS, int64_t W, float scale, int64_t window) {
   const int64_t group = H / KVH;
-  const rows_bf16::Layout L = rows_bf16::lay_out(kc, vc, block_tables, seq_lens, B, KVH, D, BS, W);
-  const int64_t blk = L.blk;
+  const rows_bf16::Layout L = rows_bf16::lay_out(kc, vc, block_tables, seq_lens, qsl, B, KVH, D, BS, W, window);
   const auto items = rows_bf16::work_items(qsl, seq_lens, B, KVH);
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
@@ -1136,21 +1175,20 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
     alignas(64) uint32_t pT[16 * 16];
     alignas(64) float pv[256 * 16];
     alignas(64) float acc[256 * 16];
-    alignas(64) int32_t ctx_l[16];
+    alignas(64) int32_t ctx_l[16], lo_l[16];
     // Scores in log2 units (scale * log2 e folded in), so that e^(s - m) is exp2_16 of their difference.
     const __m512 scv = _mm512_set1_ps(scale * 1.4426950408889634f);
     amx::Tiles tiles;
     tiles.use(16);
     for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {  // until no item is left
-      const RowTile tile(items[it], qsl, seq_lens, group, rows);
+      const RowTile tile(items[it], qsl, seq_lens, group, rows, window);
       const int64_t first = tile.first, M = tile.M;
-      const uint16_t* kb = L.k_blocks(tile.b, tile.kvh);
-      const uint16_t* vb = L.v_blocks(tile.b, tile.kvh);
       for (int64_t m0 = 0; m0 < M; m0 += 16) {  // one tile of 16 query vectors
         const int64_t nv = std::min<int64_t>(16, M - m0);
-        rows_bf16::load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l);
-        const __m512i ctx = _mm512_load_si512(ctx_l);
+        rows_bf16::load_vectors(q, qs, tile, m0, nv, group, D, qT, ctx_l, lo_l);
+        const __m512i ctx = _mm512_load_si512(ctx_l), lo = _mm512_load_si512(lo_l);
         const int64_t cmin = ctx_l[0], cmax = first + (m0 + nv - 1) / group + 1;
+        const int64_t lmin = lo_l[0], lmax = tile.lo((m0 + nv - 1) / group), jb0 = lmin / kBlock;
         __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
         if (resident) {
           _tile_zero(0);
@@ -1160,7 +1198,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
         }
         // S^T of block jb: keys 0-15 (tile 4) and 16-31 (tile 5) x 16 vectors, into dst.
         auto scores = [&](int64_t jb, float* dst) {
-          const uint16_t* kd = kb + jb * blk;
+          const uint16_t* kd = L.k_block(tile.b, tile.kvh, jb);
           _tile_zero(4);
           _tile_zero(5);
           for (int64_t c = 0; c < D / 32; ++c) {
@@ -1176,17 +1214,19 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
         // One block ahead: the next block's S^T tiles are issued before this block's softmax (which reads the
         // other sT buffer), so the AMX work and the AVX-512 softmax overlap instead of taking turns (tiles are
         // not renamed: in program order S(jb + 1) waits for P.V(jb - 1) only, and softmax(jb) for nothing).
+        // From the block of the first key any of the vectors sees, as in rows_bf16::run.
         const int64_t nblk = (cmax + kBlock - 1) / kBlock;
-        scores(0, sT2[0]);
-        for (int64_t jb = 0; jb < nblk; ++jb) {
+        scores(jb0, sT2[jb0 & 1]);
+        for (int64_t jb = jb0; jb < nblk; ++jb) {
           const int64_t j0 = jb * kBlock;
-          const uint16_t* vd = vb + jb * blk;
+          const uint16_t* vd = L.v_block(tile.b, tile.kvh, jb);
           if (jb + 1 < nblk) scores(jb + 1, sT2[(jb + 1) & 1]);
           __mmask16 grew;
-          const __m512 alpha = rows_bf16::softmax_block(sT2[jb & 1], ctx, j0, j0 + kBlock > cmin, scv, mv, lv, pT, grew);
+          const bool masked = j0 + kBlock > cmin || j0 < lmax;
+          const __m512 alpha = rows_bf16::softmax_block(sT2[jb & 1], ctx, lo, j0, masked, scv, mv, lv, pT, grew);
           _tile_loadd(7, pT, 64);
           if (resident) {
-            if (jb > 0 && grew) {  // rescale O^T: every vector by its alpha
+            if (jb > jb0 && grew) {  // rescale O^T: every vector by its alpha
               _tile_stored(0, acc, 64);
               _tile_stored(1, acc + 256, 64);
               _tile_stored(2, acc + 512, 64);
@@ -1212,7 +1252,7 @@ void run(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, 
               _tile_dpbf16ps(0, 6, 7);
               _tile_stored(0, pv + u * 256, 64);
             }
-            if (jb == 0) {
+            if (jb == jb0) {
               std::memcpy(acc, pv, D * 16 * 4);
             } else {
               for (int64_t d = 0; d < D; ++d)
@@ -1243,8 +1283,9 @@ namespace {
 // Both entry points below. rows: null, or [T'] int64 (row i of the call is q[rows[i]], written to (*out)[rows[i]]).
 torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                             const torch::Tensor& query_start_loc, double scale, const torch::Tensor* rows,
-                             torch::Tensor* out) {
+                             const torch::Tensor& query_start_loc, double scale, int64_t window,
+                             const torch::Tensor* rows, torch::Tensor* out) {
+  TORCH_CHECK(window >= 0, "paged_attention_rows: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention_rows: q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
@@ -1291,13 +1332,13 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
     if (amx_active()) run = rows_amx::run;
 #endif
     run(ptr<uint16_t>(q), q.stride(0), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), bt, sl, qsl, rw,
-        ptr<uint16_t>(res), B, H, KVH, D, BS, W, static_cast<float>(scale));
+        ptr<uint16_t>(res), B, H, KVH, D, BS, W, static_cast<float>(scale), window);
     return res;
   }
 #endif
   if (rows) {  // the other routes: gather the rows, run them in order, scatter the result
     auto res = rows_attention(q.index_select(0, *rows), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                              scale, nullptr, nullptr);
+                              scale, window, nullptr, nullptr);
     out->index_copy_(0, *rows, res);
     return *out;
   }
@@ -1307,15 +1348,15 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   if (D % 16 == 0) {
     dispatch_float_bf16(k_cache, "paged_attention_rows", [&]<typename S>() {
       strict::rows_kernel_tiled<S>(qf.data_ptr<float>(), ptr<S>(k_cache), ptr<S>(v_cache), bt, sl, qsl,
-                                   res.data_ptr<float>(), B, H, KVH, D, BS, W, sc);
+                                   res.data_ptr<float>(), B, H, KVH, D, BS, W, sc, window);
     });
   } else if (k_cache.scalar_type() == torch::kFloat32) {
     strict::rows_kernel<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, sl, qsl,
-                               res.data_ptr<float>(), B, H, KVH, D, BS, W, sc);
+                               res.data_ptr<float>(), B, H, KVH, D, BS, W, sc, window);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
     strict::rows_kernel<c10::BFloat16>(qf.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
                                        v_cache.data_ptr<c10::BFloat16>(), bt, sl, qsl, res.data_ptr<float>(), B, H,
-                                       KVH, D, BS, W, sc);
+                                       KVH, D, BS, W, sc, window);
   } else {
     TORCH_CHECK(false, "paged_attention_rows: cache dtype must be float32 or bfloat16");
   }
@@ -1325,11 +1366,12 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
 
 // The strict mode's attention (see strict::rows_kernel). q: [T, H, D] (float32 or bf16, heads
 // contiguous), caches as paged_decode_attention's, block_tables [B, W], seq_lens [B] (context after this
-// step), query_start_loc [B + 1] (sequence b's rows are q[qsl[b]:qsl[b+1]]). Returns [T, H, D] in q's dtype.
+// step), query_start_loc [B + 1] (sequence b's rows are q[qsl[b]:qsl[b+1]]); window > 0: a sliding window, each
+// row sees its last `window` positions (itself included) only. Returns [T, H, D] in q's dtype.
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                                   double scale) {
-  return rows_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, nullptr, nullptr);
+                                   double scale, int64_t window) {
+  return rows_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, nullptr, nullptr);
 }
 
 // The same for the rows q[rows[i]] (i < T'; query_start_loc runs from 0 to T'), each written to out[rows[i]] (out
@@ -1337,8 +1379,8 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
 // them into a copy of q and scattering the result back.
 void paged_attention_rows_into(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                                torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor rows,
-                               torch::Tensor out, double scale) {
-  rows_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, &rows, &out);
+                               torch::Tensor out, double scale, int64_t window) {
+  rows_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, &rows, &out);
 }
 
 }  // namespace pagedserve

@@ -19,9 +19,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("rows"), py::arg("out"), py::arg("scale"), py::arg("window") = 0);
   m.def("paged_attention_rows", &pagedserve::paged_attention_rows,
-        "the strict mode's attention: every query row over its own context, in an order fixed per row");
+        "every query row over its own context, in an order fixed per row (window > 0: its last `window` positions)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("window") = 0);
   m.def("paged_attention_rows_into", &pagedserve::paged_attention_rows_into,
-        "paged_attention_rows over the rows q[rows], written into out's rows");
+        "paged_attention_rows over the rows q[rows], written into out's rows",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("rows"), py::arg("out"), py::arg("scale"), py::arg("window") = 0);
   m.def("rms_norm", &pagedserve::rms_norm, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("once") = false,
         "RMSNorm of [T, H] rows (once: Gemma's single rounding after the weight)");
   m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("w"),

@@ -9,10 +9,10 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                             int64_t window = 0);
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                                   double scale);
+                                   double scale, int64_t window = 0);
 void paged_attention_rows_into(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                                torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor rows,
-                               torch::Tensor out, double scale);
+                               torch::Tensor out, double scale, int64_t window = 0);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool once = false);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps, bool once = false);
 void rms_norm_heads(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k_w, int64_t H, int64_t KVH, double eps,
