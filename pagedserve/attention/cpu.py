@@ -159,7 +159,8 @@ class BatchInvariantBackend(BatchedGatherBackend):
     A row's arithmetic depends on nothing but its own context, so its output does not depend on the other
     rows of the step, on how its prompt was chunked, or on whether its prefix came from the cache (K/V
     are read from the cache, where this step's were written first). Rows of one prompt share the K/V
-    reads in tiles. Needs the kernels; no sliding window."""
+    reads in tiles. A layer's sliding window limits each row to its last `window` positions. Needs the kernels; no
+    soft-capping."""
 
     name = "batch_invariant"
     row_invariant = True
@@ -170,12 +171,10 @@ class BatchInvariantBackend(BatchedGatherBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None,
                 softcap=None) -> torch.Tensor:
-        if effective_window(meta, window) is not None:
-            raise ValueError("batch_invariant: sliding-window attention is not supported in the strict mode")
         if softcap is not None:
             raise ValueError("batch_invariant: attention soft-capping is not supported in the strict mode")
         if k is not None:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         self.prepare(meta)
         return self.kernels.paged_attention_rows(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                 meta.query_start_loc, scale)
+                                                 meta.query_start_loc, scale, effective_window(meta, window))

@@ -6,8 +6,7 @@ It works on a flat batch (all new tokens of all sequences concatenated) and atte
 an AttentionBackend. q/k/v and gate/up projections are fused at load time so each layer runs three big matmuls
 instead of seven. Decode steps of the decoders `ModelConfig.stack_decoder` names (all but partial rotary,
 Phi-4-mini's, and Gemma 2's soft-capped scores) run through the fused C++ DecodeStack, sliding windows included (its
-decode kernel takes them; the strict mode's row kernel does not, so windows that cut keep that mode's steps op by
-op); other steps run their layers op by op (with the C++ norms, rotary and KV write where they apply). With the C++
+decode kernel and the strict mode's row kernel take them); other steps run their layers op by op (with the C++ norms, rotary and KV write where they apply). With the C++
 kernels every norm rounds as its family's reference does in bf16: Gemma's once after the weight, the others' before
 it.
 """
@@ -181,7 +180,6 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head_routes.float32_out = True
         self.embed_quant: QuantPart | None = None  # the embedding as GGUF blocks read in place (then meta)
         self._stack_any_rows = False  # DecodeStack for any number of sequences (every layer matmul on one route)
-        self._windowed = cfg.has_sliding_window  # some layer attends through a window (read every step)
         self.embed_fixed: torch.Tensor | None = None  # the tied head's packed copy, when the plain one is released
         self._block_kernels: CpuKernels | None = None  # the kernels that packed the GGUF blocks read in place
         # pagedserve's C++ CPU kernels (fused norm/rotary/SwiGLU, DecodeStack), handed over by the model
@@ -294,13 +292,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack_applies(self, backend: AttentionBackend, meta: AttentionMetadata) -> bool:
         cfg = self.config
-        windows_apply = self._windowed and max(meta.seq_lens_host, default=0) > cfg.sliding_window
         return (
             self.kernels is not None
             and self.tp is None  # a sharded layer all-reduces between its matmuls: op by op
             and self.kernels.decode_stack
             and cfg.stack_decoder
-            and not (windows_apply and backend.row_invariant)  # the strict mode's row kernel has no window
             and 0 < meta.num_seqs
             and (meta.num_seqs <= DECODE_STACK_MAX_SEQS or self._stack_any_rows)
             and backend.runs_decode_kernel(meta)

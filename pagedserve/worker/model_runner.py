@@ -52,8 +52,6 @@ class ModelRunner:
             if self.kernels is None:
                 raise ValueError("batch_invariant: the C++ kernels could not be built here (see the warning "
                                  "above); the strict mode needs them")
-            if model.config.has_sliding_window:
-                raise ValueError("batch_invariant: sliding-window models are not supported in the strict mode")
             if model.config.attn_logit_softcapping is not None:
                 raise ValueError("batch_invariant: attention soft-capping (Gemma 2) is not supported in the "
                                  "strict mode")

@@ -421,10 +421,11 @@ def test_decode_stack_equals_layer_by_layer_path(arch, dtype, tmp_path):
         assert torch.equal(stacked.argmax(-1), layered.argmax(-1))
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2", "mistral", "gemma3"])
 def test_strict_mode_matches_transformers(arch, tmp_path):
-    """The batch-invariant mode (fixed-order matmuls, every attention row through the decode kernel) is
-    as exact as the other paths: float32 logits of a chunked prefill mixed with decodes match HF."""
+    """The batch-invariant mode (fixed-order matmuls, every attention row through the row kernel) is as exact as the
+    other paths: float32 logits of a chunked prefill mixed with decodes match HF; Mistral's and Gemma 3's sliding
+    windows (6 positions) cut the 23-token prompt's context."""
     hf = _build_hf(arch)
     hf.save_pretrained(tmp_path)
     lm = load_model(str(tmp_path), "float32")
@@ -440,12 +441,13 @@ def test_strict_mode_matches_transformers(arch, tmp_path):
     assert (logits - ref).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("arch", ["llama-bias", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_strict_mode_decode_stack_and_layer_path_are_bit_identical(dtype, tmp_path):
+def test_strict_mode_decode_stack_and_layer_path_are_bit_identical(dtype, arch, tmp_path):
     """In the strict mode a few-sequence decode step gives the same bits through DecodeStack (its
     FIXED matmul route) as layer by layer, in bf16 too, and a sequence's logits do not change when
-    another sequence joins its steps."""
-    hf = _build_hf("llama-bias")
+    another sequence joins its steps; with Gemma 3's sliding windows (6 positions, which the sequences outgrow) too."""
+    hf = _build_hf(arch)
     hf.save_pretrained(tmp_path)
     lm = load_model(str(tmp_path), dtype)
     kernels = CpuKernels.build()

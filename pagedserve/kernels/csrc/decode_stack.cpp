@@ -154,8 +154,6 @@ class DecodeStack {
     }
     static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
     const torch::Tensor qsl = strict_attention_ ? torch::arange(B + 1, torch::kInt64) : no_rows;
-    // The strict mode's row kernel has no sliding window: a layer with one must not cut any context (once a step).
-    const int64_t longest = strict_attention_ ? seq_lens.max().item<int64_t>() : 0;
     torch::Tensor residual = x;
     torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_, once_);
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -172,9 +170,7 @@ class DecodeStack {
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D});
       torch::Tensor attn;
       if (strict_attention_) {
-        TORCH_CHECK(l.window == 0 || longest <= l.window,
-                    "DecodeStack: the strict mode's attention has no sliding window");
-        attn = paged_attention_rows(q, l.k_cache, l.v_cache, block_tables, seq_lens, qsl, scale_);
+        attn = paged_attention_rows(q, l.k_cache, l.v_cache, block_tables, seq_lens, qsl, scale_, l.window);
       } else {
         attn = torch::empty({B, H_, D}, qkv.options());
         paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
