@@ -4,10 +4,11 @@ Per step, sequences are split into two groups — decodes (one new token) and pr
 so a long prefill does not pad every decode to its length. Decodes use a small C++ kernel that reads
 K/V through the block table in place (pagedserve/kernels/csrc/attention.cpp); prefill chunks the C++ row
 kernel (`paged_attention_rows`: each row over its own context in a fixed order, so chunking and batching
-do not change a row); both take the layer's sliding window. Without the kernels, or with soft-capping (Gemma 2),
-both gather each sequence's context through its block table in one indexing op, and a single masked
-`scaled_dot_product_attention` call (GQA-aware) does the math (soft-capped: the same gather, explicit scores). Index tensors are built once per step in `prepare`, masks once per step and
-window, and reused by every layer.
+do not change a row); both take the layer's sliding window. Without the kernels, or with soft-capping
+(Gemma 2), both gather each sequence's context through its block table in one indexing op, and a single
+masked `scaled_dot_product_attention` call (GQA-aware) does the math (soft-capped: the same gather,
+explicit scores). Index tensors are built once per step in `prepare`, masks once per step and window, and
+reused by every layer.
 """
 
 from __future__ import annotations

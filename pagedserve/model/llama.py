@@ -6,9 +6,9 @@ It works on a flat batch (all new tokens of all sequences concatenated) and atte
 an AttentionBackend. q/k/v and gate/up projections are fused at load time so each layer runs three big matmuls
 instead of seven. Decode steps of the decoders `ModelConfig.stack_decoder` names (all but partial rotary,
 Phi-4-mini's, and Gemma 2's soft-capped scores) run through the fused C++ DecodeStack, sliding windows included (its
-decode kernel and the strict mode's row kernel take them); other steps run their layers op by op (with the C++ norms, rotary and KV write where they apply). With the C++
-kernels every norm rounds as its family's reference does in bf16: Gemma's once after the weight, the others' before
-it.
+decode kernel and the strict mode's row kernel take them); other steps run their layers op by op (with the C++
+norms, rotary and KV write where they apply). With the C++ kernels every norm rounds as its family's reference does
+in bf16: Gemma's once after the weight, the others' before it.
 """
 
 from __future__ import annotations
