@@ -127,6 +127,10 @@ class CpuKernels:
     def argmax_rows(self, logits):
         return self.ext.argmax_rows(logits)
 
+    def sample_rows(self, probs, u):
+        """One draw per row of non-negative float32 weights [R, V] by the inverse CDF, u float64 [R] in [0, 1)."""
+        return self.ext.sample_rows(probs, u)
+
     def apply_token_bitmask(self, logits, bitmask, rows) -> None:
         """Structured outputs: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (in place)."""
         self.ext.apply_token_bitmask(logits, bitmask, rows)

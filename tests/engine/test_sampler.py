@@ -144,7 +144,8 @@ def test_min_tokens_bans_eos_and_stop_tokens():
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
-    logits = random_logits(4, seed=7)
+    # Unit-scale logits: the target row's distribution is spread (at the usual scale of 3 its top token has 0.99).
+    logits = random_logits(4, seed=7) / 3
     target = logits[2:3]
 
     def alone():
@@ -178,10 +179,12 @@ def test_unseeded_sampling_follows_the_engine_seed():
     assert [s1(logits, reqs).token_ids for _ in range(5)] == [s2(logits, reqs).token_ids for _ in range(5)]
 
 
-def test_temperature_one_matches_softmax():
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpp"])
+def test_temperature_one_matches_softmax(kernels):
+    """The draw (inverse CDF: torch's cumsum, or the C++ kernel on the CPU) follows the distribution."""
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0]])
     probs = logits.softmax(-1)[0]
-    sampler = Sampler(2024)
+    sampler = Sampler(2024, kernels=CpuKernels.build() if kernels else None)
     n = 6000
     batch = [req(str(i), temperature=1.0) for i in range(n)]
     tokens = sampler(logits.expand(n, -1), batch).token_ids
@@ -251,3 +254,38 @@ def test_greedy_fast_path_with_kernels_matches_the_general_path(dtype):
     out = Sampler(kernels=kernels)(logits, mixed)
     assert out.token_ids == Sampler()(logits, mixed).token_ids
     assert out.token_ids[1] != 0 and out.logprobs[2] is not None
+
+
+def test_inverse_cdf_kernel_equals_torch_and_never_draws_a_zero_weight():
+    """The draw per row: the first index whose float64 running sum exceeds u times the total, the C++ kernel and
+    torch's cumsum alike; a zero weight is never drawn, u = 0 draws the first positive weight, a row without a
+    positive finite total gives -1 (the sampler then names the row in its error)."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 1000, generator=g)
+    probs[probs < 0.7] = 0  # 70% of the weights are 0
+    probs[5] = 0  # no positive weight
+    probs[6, 17] = float("nan")  # a non-finite total
+    probs[7] = 0
+    probs[7, 999] = 1e-30  # one tiny weight, the last
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[8], u[9] = 0.0, 1 - 2**-53
+    cpp = EngineSampler(kernels=CpuKernels.build())._inverse_cdf(probs, u)
+    plain = EngineSampler()._inverse_cdf(probs, u)
+    assert torch.equal(cpp, plain)
+    assert cpp[5] == -1 and cpp[6] == -1 and cpp[7] == 999
+    assert cpp[8] == int((probs[8] > 0).nonzero()[0])
+    for r in [r for r in range(64) if r not in (5, 6)]:
+        weights, acc, pick = probs[r].double().tolist(), 0.0, None
+        t = float(u[r]) * sum(weights)
+        for i, w in enumerate(weights):
+            acc += w
+            if acc > t:
+                pick = i
+                break
+        if pick is None:  # rounding past the end: the last positive weight
+            pick = max(i for i, w in enumerate(weights) if w > 0)
+        assert int(cpp[r]) == pick and probs[r, pick] > 0, r
+    with pytest.raises(ValueError, match="row 1 gave token id -1"):
+        EngineSampler(kernels=CpuKernels.build())(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]),
+                                                  SamplingMetadata.from_requests([req("a", temperature=1.0),
+                                                                                  req("b", temperature=1.0)]))

@@ -319,6 +319,54 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// One categorical draw per row by the inverse CDF: row r's (unnormalised, non-negative, float32) weights summed in
+// double, in index order, and the first index whose running sum exceeds u[r] times the total (u in [0, 1)). A weight of
+// 0 is never drawn (the running sum does not grow there); where rounding leaves no such index the last positive
+// weight is drawn; a row with no positive weight or a non-finite sum gets -1 (the sampler names it in its error).
+// One uniform per row instead of the exponential race's one per vocabulary entry (a 262,144-token vocabulary at 128
+// rows took 0.7 s for those); torch's sequential double cumsum gives the same indices.
+torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.stride(1) == 1 && probs.size(1) > 0,
+              "sample_rows: probs must be float32 [R, V] with contiguous rows");
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == torch::kFloat64 && u.is_contiguous() && u.size(0) == probs.size(0),
+              "sample_rows: u must be contiguous float64 [R]");
+  const int64_t R = probs.size(0), V = probs.size(1), ps = probs.stride(0);
+  auto out = torch::empty({R}, torch::TensorOptions().dtype(torch::kInt64));
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* p = probs.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = p + r * ps;
+      double total = 0.0;
+      int64_t last = -1;  // the last positive weight
+      for (int64_t i = 0; i < V; ++i) {
+        total += row[i];
+        if (row[i] > 0.f) last = i;
+      }
+      // Non-finite by the exponent's bits: -ffast-math (the build's) lets the compiler assume std::isfinite.
+      uint64_t bits;
+      std::memcpy(&bits, &total, sizeof bits);
+      if (last < 0 || ((bits >> 52) & 0x7ff) == 0x7ff) {
+        op[r] = -1;
+        continue;
+      }
+      const double t = up[r] * total;
+      double acc = 0.0;
+      int64_t pick = last;
+      for (int64_t i = 0; i < V; ++i) {
+        acc += row[i];
+        if (acc > t) {
+          pick = i;
+          break;
+        }
+      }
+      op[r] = pick;
+    }
+  });
+  return out;
+}
+
 }  // namespace pagedserve
 
 namespace pagedserve {
