@@ -117,6 +117,7 @@ class Sampler:
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             mass_before = self._rows(lambda r: r.cumsum(dim=-1), probs) - probs
             keep &= mass_before < top_p.unsqueeze(1)
+            keep[:, 0] = True  # (a top_p that is 0 in float32, 1e-320, would otherwise keep nothing)
             sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         if min_p is not None:

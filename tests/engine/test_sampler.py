@@ -73,10 +73,12 @@ def test_top_k_1_is_greedy():
         assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
-def test_tiny_top_p_is_argmax():
+@pytest.mark.parametrize("top_p", [1e-6, 1e-320], ids=["1e-6", "zero-in-float32"])
+def test_tiny_top_p_is_argmax(top_p):
+    """The first token always stays, also where top_p rounds to 0 in float32 (1e-320: an API client's value)."""
     logits = random_logits(6, seed=2)
     for seed in range(5):
-        out = Sampler(seed)(logits, [req(str(i), temperature=1.0, top_p=1e-6) for i in range(6)])
+        out = Sampler(seed)(logits, [req(str(i), temperature=1.0, top_p=top_p) for i in range(6)])
         assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
