@@ -40,8 +40,9 @@ def route(ext, request):
     ext.set_amx(True)
 
 
-def reference(q, kc, vc, bt, seq_lens, qsl):
-    """float64 attention over the same bf16 values (head shapes taken from q and the cache)."""
+def reference(q, kc, vc, bt, seq_lens, qsl, window=None):
+    """float64 attention over the same bf16 values (head shapes taken from q and the cache); window: each row over
+    its last `window` positions only (tests/kernels/test_rows_window.py)."""
     H, KVH, D, BS = q.shape[1], kc.shape[2], q.shape[2], kc.shape[1]
     outs = []
     for b in range(len(seq_lens)):
@@ -51,7 +52,11 @@ def reference(q, kc, vc, bt, seq_lens, qsl):
         v = vc[idx].flatten(0, 1)[:s_len].double().repeat_interleave(H // KVH, dim=1)
         s = torch.einsum("qhd,khd->hqk", q[lo:hi].double(), k) * D**-0.5
         pos = torch.arange(s_len - (hi - lo), s_len).view(-1, 1)
-        s = s.masked_fill(torch.arange(s_len).view(1, -1) > pos, float("-inf"))
+        key = torch.arange(s_len).view(1, -1)
+        hidden = key > pos
+        if window is not None:
+            hidden |= key <= pos - window
+        s = s.masked_fill(hidden, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
     return torch.cat(outs)
 

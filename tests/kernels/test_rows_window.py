@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import load_extension
+from tests.kernels.test_rows_attention_bf16 import reference
 
 BS, NB = 16, 80
 # (query dtype, cache dtype, H, KVH, D): the bf16 kernel where built (Gemma 3's D = 256 too); float32 queries take
@@ -35,23 +36,6 @@ def ext(request):
 def routes(ext, qdtype):
     """The AMX switch settings to run: both where AMX is (bf16 queries only: the float32 kernels have no AMX)."""
     return [False, True] if qdtype == torch.bfloat16 and hasattr(ext, "set_amx") and ext.set_amx(True) else [None]
-
-
-def reference(q, kc, vc, bt, seq_lens, qsl, window):
-    """float64 attention over the same values, each row over keys pos - window + 1 .. pos."""
-    H, KVH, D = q.shape[1], kc.shape[2], q.shape[2]
-    outs = []
-    for b in range(len(seq_lens)):
-        s_len, lo, hi = int(seq_lens[b]), int(qsl[b]), int(qsl[b + 1])
-        idx = bt[b, : (s_len + BS - 1) // BS]
-        k = kc[idx].flatten(0, 1)[:s_len].double().repeat_interleave(H // KVH, dim=1)
-        v = vc[idx].flatten(0, 1)[:s_len].double().repeat_interleave(H // KVH, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[lo:hi].double(), k) * D**-0.5
-        pos = torch.arange(s_len - (hi - lo), s_len).view(-1, 1)
-        key = torch.arange(s_len).view(1, -1)
-        s = s.masked_fill((key > pos) | (key <= pos - window), float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
-    return torch.cat(outs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -58,6 +58,9 @@ inline WindowSpan window_span(const int64_t* table, int64_t S, int64_t BS, int64
   const int64_t first = S - window, start = first / BS * BS;
   return {table + start / BS, S - start, first - start};
 }
+// The first key a row with ctx keys of context sees through a window (window > 0; 0: every key) — the prefill row
+// kernels' per-row window.
+inline int64_t window_first(int64_t ctx, int64_t window) { return window > 0 ? std::max<int64_t>(0, ctx - window) : 0; }
 constexpr float kMaskedScore = -1e30f;
 // Rows of S scores (row stride S) of n heads: the first skip masked.
 inline void mask_skipped(float* sc, int64_t n, int64_t S, int64_t skip) {
@@ -201,7 +204,7 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
       const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);
       const int64_t S_min = first + 1, S_max = first + R;  // row i sees first + i + 1 keys
       // With a sliding window row i sees keys lo(i) .. first + i only; keys L_max .. S_min - 1 every row sees.
-      auto lo = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, first + i + 1 - window) : int64_t{0}; };
+      auto lo = [&](int64_t i) { return window_first(first + i + 1, window); };
       const int64_t L_min = lo(0), L_max = lo(R - 1);
       const int64_t stride = (S_max + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
       const int64_t* table = block_tables + b * W;
@@ -295,7 +298,7 @@ void rows_kernel(const float* q, const T* k_cache, const T* v_cache, const int64
       float* scores = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
       const int64_t* table = block_tables + b * W;
       auto ctx = [&](int64_t i) { return first + (r0 - qsl[b]) + i + 1; };  // keys row r0 + i sees: lo(i) .. ctx(i) - 1
-      auto lo = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, ctx(i) - window) : int64_t{0}; };
+      auto lo = [&](int64_t i) { return window_first(ctx(i), window); };
       const int64_t start = lo(0) / BS * BS;
       for (int64_t j0 = start; j0 < S_max; j0 += BS) {
         const T* base = k_cache + table[j0 / BS] * block_stride;
@@ -821,13 +824,8 @@ struct RowTile {
         M(R * group), window(window), rows(rows) {}
   int64_t row(int64_t i) const { return rows ? rows[r0 + i] : r0 + i; }  // q / out row of the tile's row i
   // The first key row i sees (its context is first + i + 1 keys).
-  int64_t lo(int64_t i) const { return window > 0 ? std::max<int64_t>(0, first + i + 1 - window) : 0; }
+  int64_t lo(int64_t i) const { return window_first(first + i + 1, window); }
 };
-
-// The first key any row of this step's rows of sequence b sees (0 without a window): the layout starts at its block.
-inline int64_t first_key(const int64_t* qsl, const int64_t* seq_lens, int64_t b, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, seq_lens[b] - (qsl[b + 1] - qsl[b]) + 1 - window) : 0;
-}
 
 // A 16 x 16 matrix of 32-bit elements, one row per register, transposed in place (r[i] lane j <-> r[j] lane i):
 // four butterfly stages (h = 8, 4, 2, 1), each exchanging the off-diagonal h x h sub-blocks of every 2h x 2h block:
@@ -885,7 +883,8 @@ inline Layout lay_out(const uint16_t* kc, const uint16_t* vc, const int64_t* blo
   L.b0.resize(B);
   L.base.assign(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    L.b0[b] = first_key(qsl, seq_lens, b, window) / kBlock;
+    // the block of the first key the sequence's first row of this step sees
+    L.b0[b] = window_first(seq_lens[b] - (qsl[b + 1] - qsl[b]) + 1, window) / kBlock;
     L.nb[b] = (seq_lens[b] + kBlock - 1) / kBlock - L.b0[b];
     L.base[b + 1] = L.base[b] + L.nb[b] * KVH;
   }
