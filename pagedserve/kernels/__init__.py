@@ -131,6 +131,11 @@ class CpuKernels:
         """One draw per row of non-negative float32 weights [R, V] by the inverse CDF, u float64 [R] in [0, 1)."""
         return self.ext.sample_rows(probs, u)
 
+    def sample_logits(self, logits, temperature, top_k, top_p, min_p, u):
+        """The sampler's whole draw per row of float32 logits [R, V]: temperature [R] (0: the argmax), top_k [R] int64
+        (0: off), top_p and min_p [R] float32, u float64 [R] in [0, 1) -> int64 [R] (-1 for a row that cannot draw)."""
+        return self.ext.sample_logits(logits, temperature, top_k, top_p, min_p, u)
+
     def apply_token_bitmask(self, logits, bitmask, rows) -> None:
         """Structured outputs: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (in place)."""
         self.ext.apply_token_bitmask(logits, bitmask, rows)

@@ -1,9 +1,15 @@
 """The sampler, batched over every request that samples this step.
 
 Order (as vLLM): structured-output mask → penalties → temperature → top-k / top-p / min-p → draw.
-Greedy rows take the argmax. Random rows draw with the exponential-race trick (argmax p / E,
-E ~ Exp(1)), which is exactly a categorical draw; a request with a seed draws its E from its own
-generator, so its tokens do not depend on what else is in the batch.
+Greedy rows take the argmax. Random rows draw by the inverse CDF: one float64 uniform per row, the first
+token whose running sum of weights exceeds it times the total; a request with a seed draws its uniform
+from its own generator, so its tokens do not depend on what else is in the batch.
+
+The filters: top-k keeps the first k tokens in (logit descending, index ascending) order; top-p the
+smallest prefix of those whose share of their mass reaches top_p (the first token always stays); min-p
+the tokens whose probability is at least min_p times the largest. On the CPU one C++ kernel does
+temperature, the filters and the draw per row from the logits (no [rows, vocab] tensor, no sort of the
+vocabulary); elsewhere (a GPU) torch ops do the same.
 
 In the strict batch-invariant mode every reduction over the vocabulary (softmax, log-softmax, the
 top-p cumulative sum) runs row by row, so a row's numbers cannot depend on how many rows there are.
@@ -46,6 +52,8 @@ class Sampler:
         raw, logits = self.adjust(logits, meta)
         if meta.all_greedy:
             tokens = logits.argmax(dim=-1)
+        elif self.kernels is not None and logits.device.type == "cpu":
+            tokens = self._sample_cpu(logits, meta)
         else:
             drawn = self._draw(self.probs(logits, meta), meta.generators)
             tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
@@ -108,7 +116,7 @@ class Sampler:
     def _filter(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         top_k, top_p, min_p = meta.top_k, meta.top_p, meta.min_p
         if top_k is not None and top_p is not None:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties: index order
             vocab = logits.shape[1]
             keep = torch.ones_like(sorted_logits, dtype=torch.bool)
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
@@ -138,14 +146,29 @@ class Sampler:
         return self._rows(lambda r: r.softmax(dim=-1), x)
 
     # ---- the draw --------------------------------------------------------------------------------
-    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One token per row of (unnormalised) probabilities, by the inverse CDF: one float64 uniform per row, from
-        the row's own generator where the request is seeded, else from the engine's (one call for the batch)."""
-        u = torch.rand(probs.shape[0], generator=self.generator, dtype=torch.float64, device=self.generator.device)
+    def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One float64 uniform per row, from the row's own generator where the request is seeded, else from the
+        engine's (one call for the batch; greedy rows take theirs too, so a row's draws do not depend on the others)."""
+        u = torch.rand(len(generators), generator=self.generator, dtype=torch.float64, device=self.generator.device)
         for i, g in enumerate(generators):
             if g is not None:
                 u[i] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device)[0]
-        return self._inverse_cdf(probs, u)
+        return u
+
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of (unnormalised) probabilities, by the inverse CDF."""
+        return self._inverse_cdf(probs, self._uniforms(generators))
+
+    def _sample_cpu(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k / top-p / min-p and the draw in one C++ kernel per row (the torch path's tokens, without
+        its [rows, vocab] temporaries or its sort of the whole vocabulary)."""
+        rows = meta.num_rows
+        temperature = meta.temperature.squeeze(1).masked_fill(meta.greedy, 0.0).float().contiguous()
+        top_k = meta.top_k if meta.top_k is not None else torch.zeros(rows, dtype=torch.long)
+        top_p = meta.top_p.float() if meta.top_p is not None else torch.ones(rows)
+        min_p = meta.min_p.float() if meta.min_p is not None else torch.zeros(rows)
+        return self.kernels.sample_logits(logits.float().contiguous(), temperature, top_k.contiguous(),
+                                          top_p.contiguous(), min_p.contiguous(), self._uniforms(meta.generators))
 
     def draw_one(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
         """One categorical draw from a [vocab] row of (unnormalised) probabilities, consuming the generator

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import weakref
 
 import pytest
@@ -291,3 +292,81 @@ def test_inverse_cdf_kernel_equals_torch_and_never_draws_a_zero_weight():
         EngineSampler(kernels=CpuKernels.build())(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]),
                                                   SamplingMetadata.from_requests([req("a", temperature=1.0),
                                                                                   req("b", temperature=1.0)]))
+
+
+def _filter_meta(temps, top_k, top_p, min_p) -> SamplingMetadata:
+    return SamplingMetadata(num_rows=len(temps), all_greedy=False, all_plain_greedy=False,
+                            greedy=torch.tensor([t == 0 for t in temps]),
+                            temperature=torch.tensor([t or 1.0 for t in temps]).unsqueeze(1),
+                            top_k=torch.tensor(top_k), top_p=torch.tensor(top_p, dtype=torch.float32),
+                            min_p=torch.tensor(min_p, dtype=torch.float32), generators=[None] * len(temps))
+
+
+@pytest.mark.parametrize("vocab,scale,ties", [(7, 3.0, False), (1000, 3.0, True), (5000, 1.0, False),
+                                              (20000, 3.0, False), (20000, 3.0, True)])
+def test_cpu_draw_kernel_equals_the_torch_path(vocab, scale, ties):
+    """On the CPU one C++ kernel does temperature, top-k / top-p / min-p and the draw per row from the logits: the
+    torch path's tokens (its stable sort, softmax, cumulative mass and inverse CDF) for the same uniforms, greedy rows
+    included. Ties (logits rounded to halves, -0 beside +0) stay in index order; 20,000 tokens with top-k 3,000 sort
+    the candidates in several chunks."""
+    kernels = CpuKernels.build()
+    rng = torch.Generator().manual_seed(vocab)
+    pick = random.Random(vocab + int(ties))
+    rows = 48
+    logits = torch.randn(rows, vocab, generator=rng) * scale
+    if ties:
+        logits = (logits * 2).round() / 2
+        zeros = logits == 0
+        logits[zeros] = 0.0
+        zeros[:, ::2] = False
+        logits[zeros] = -0.0  # -0 at odd indices, +0 at even ones
+    logits[0] = float("-inf")
+    logits[0, vocab // 2] = 1.0  # one finite logit
+    logits[1, : vocab // 2] = float("-inf")
+    # Ties stay ties after the temperature only at T = 1 (the kernel ranks the raw logits, torch the scaled ones).
+    temps = [pick.choice([0.0, 1.0] if ties else [0.0, 0.05, 0.7, 1.0, 2.5]) for _ in range(rows)]
+    top_k = [pick.choice([0, 0, 1, 5, 50, 3000, vocab, vocab + 3]) for _ in range(rows)]
+    top_p = [pick.choice([1.0, 1.0, 0.5, 0.9, 0.99, 1e-6]) for _ in range(rows)]
+    min_p = [pick.choice([0.0, 0.0, 0.01, 0.2]) for _ in range(rows)]
+    meta = _filter_meta(temps, top_k, top_p, min_p)
+    for seed in range(3):
+        fused = EngineSampler(seed, kernels=kernels)(logits.clone(), meta).token_ids
+        assert fused == EngineSampler(seed)(logits.clone(), meta).token_ids
+        assert all(logits[r, t] > float("-inf") for r, t in enumerate(fused))
+        for r, t in enumerate(fused):
+            if temps[r] == 0 or top_k[r] == 1 or top_p[r] == 1e-6:
+                assert t == int(logits[r].argmax()), r
+
+
+def test_cpu_draw_kernel_follows_the_filtered_distribution():
+    """The kernel's draws over a large vocabulary with the filters on follow the renormalised kept distribution
+    (chi-square), and never leave the kept set: top-k 40, then top-p 0.8 of their mass, then min-p 0.02."""
+    kernels = CpuKernels.build()
+    vocab = 50_000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 0.5
+    logits[0, :60] += torch.linspace(4.0, 1.0, 60)  # 60 leading tokens, then a flat tail
+    order = logits[0].argsort(descending=True, stable=True)
+    probs = logits[0].softmax(-1)[order]
+    top = probs[:40] / probs[:40].sum()
+    kept = int(((top.cumsum(0) - top) < 0.8).sum())
+    keep = top[:kept]
+    keep = keep[keep >= 0.02 * keep[0]]
+    expected_ids = order[: len(keep)]
+    n = 20000
+    meta = _filter_meta([1.0] * n, [40] * n, [0.8] * n, [0.02] * n)
+    tokens = torch.tensor(EngineSampler(7, kernels=kernels)(logits.expand(n, -1), meta).token_ids)
+    assert set(tokens.tolist()) <= set(expected_ids.tolist())
+    counts = torch.tensor([(tokens == t).sum() for t in expected_ids.tolist()], dtype=torch.float)
+    expected = keep / keep.sum() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert len(keep) >= 5 and chi2 < 3.0 * len(keep) + 30, (chi2, len(keep))
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpp"])
+@pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (0, 0.5)])
+def test_tied_logits_are_kept_in_index_order(kernels, top_k, top_p):
+    """At a top-k / top-p cut among equal logits the lower indices stay (-0 and +0 are equal): both paths."""
+    logits = torch.tensor([[-0.0, 0.0, 1.0, -0.0, 0.0]]).expand(300, -1)
+    meta = _filter_meta([1.0] * 300, [top_k] * 300, [top_p] * 300, [0.0] * 300)
+    tokens = EngineSampler(3, kernels=CpuKernels.build() if kernels else None)(logits, meta).token_ids
+    assert set(tokens) == {0, 2}

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
+#include <cstring>
 
 #include "common.h"
 
@@ -363,6 +365,245 @@ torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
       }
       op[r] = pick;
     }
+  });
+  return out;
+}
+
+namespace {
+
+inline bool finite_bits(double x) {  // -ffast-math lets the compiler assume std::isfinite
+  uint64_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return ((bits >> 52) & 0x7ff) != 0x7ff;
+}
+
+// The order top-k / top-p walk the vocabulary in: logit descending, then index ascending (a torch stable sort's
+// order), as one ascending uint64.
+inline uint64_t rank_key(float l, int64_t i) {
+  uint32_t b;
+  std::memcpy(&b, &l, sizeof b);
+  if (b == 0x80000000u) b = 0;  // -0 ties with +0, as in a float comparison
+  const uint32_t ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // grows with l
+  return (static_cast<uint64_t>(~ord) << 32) | static_cast<uint64_t>(i);
+}
+
+struct SampleScratch {
+  std::vector<float> w;
+  std::vector<uint64_t> cand;
+  std::vector<double> block;
+};
+
+// One row of sample_logits: returns the drawn index or -1.
+int64_t sample_logits_row(const float* row, int64_t V, float temperature, int64_t top_k, double top_p, float min_p,
+                          double u, SampleScratch& s) {
+  if (temperature == 0.f) return argmax_row<float>(row, V);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) m = std::max(m, row[i]);
+  if (!finite_bits(m)) return -1;  // +inf, NaN, or nothing above -inf
+  s.w.resize(V);
+  float* w = s.w.data();
+  const float inv_t = 1.f / temperature;
+  float zf = 0.f;  // only to see a NaN
+  for (int64_t i = 0; i < V; ++i) {
+    w[i] = std::exp((row[i] - m) * inv_t);  // the row's maximum gets exactly 1
+    zf += w[i];
+  }
+  if (!finite_bits(zf)) return -1;
+
+  const int64_t k = top_k > 0 ? std::min(top_k, V) : V;
+  bool cut = false;
+  uint64_t last_kept = 0;  // with cut: the largest kept rank_key
+  if (k < V || top_p < 1.0) {
+    // Weights by binary exponent (w in [0, 1]: biased exponent 0..127; 0 holds zeros and subnormals): the highest
+    // power of two that holds the top k, or the top_p mass, bounds the candidates that need sorting.
+    int64_t count[128] = {};
+    double mass[128] = {};
+    {
+      // Four tables, one per lane of four: consecutive weights mostly share an exponent, and one table's increments
+      // would wait on each other.
+      int32_t cnt4[4][128] = {};
+      double mass4[4][128] = {};
+      int64_t i = 0;
+      for (; i + 4 <= V; i += 4) {
+        for (int l = 0; l < 4; ++l) {
+          uint32_t b;
+          std::memcpy(&b, &w[i + l], sizeof b);
+          const uint32_t e = std::min<uint32_t>(b >> 23, 127);
+          ++cnt4[l][e];
+          mass4[l][e] += w[i + l];
+        }
+      }
+      for (; i < V; ++i) {
+        uint32_t b;
+        std::memcpy(&b, &w[i], sizeof b);
+        const uint32_t e = std::min<uint32_t>(b >> 23, 127);
+        ++cnt4[0][e];
+        mass4[0][e] += w[i];
+      }
+      for (int e = 0; e < 128; ++e) {
+        count[e] = int64_t{cnt4[0][e]} + cnt4[1][e] + cnt4[2][e] + cnt4[3][e];
+        mass[e] = (mass4[0][e] + mass4[1][e]) + (mass4[2][e] + mass4[3][e]);
+      }
+    }
+    int64_t npos = 0;
+    double z = 0.0;
+    for (int e = 0; e < 128; ++e) z += mass[e];
+    for (int e = 1; e < 128; ++e) npos += count[e];
+    {  // subnormal weights count as positive
+      for (int64_t i = 0; i < V && count[0] > 0; ++i) npos += (w[i] > 0.f && w[i] < std::numeric_limits<float>::min());
+    }
+    const bool k_cuts = k < npos;
+    if (k_cuts || top_p < 1.0) {
+      int lowest = 0;  // candidates: weights >= 2^(lowest - 127), or every positive weight when 0
+      {
+        int64_t c = 0;
+        double mm = 0.0;
+        for (int e = 127; e >= 1; --e) {
+          c += count[e];
+          mm += mass[e];
+          if (k_cuts ? c >= k : mm >= top_p * z) {
+            lowest = e;
+            break;
+          }
+        }
+      }
+      for (;;) {
+        float tau = std::numeric_limits<float>::denorm_min();  // lowest 0: every positive weight
+        if (lowest > 0) {
+          const uint32_t tb = static_cast<uint32_t>(lowest) << 23;
+          std::memcpy(&tau, &tb, sizeof tau);
+        }
+        s.cand.resize(V);
+        uint64_t* c = s.cand.data();
+        int64_t n = 0;
+        for (int64_t i = 0; i < V; ++i)
+          if (w[i] >= tau) c[n++] = rank_key(row[i], i);
+        int64_t sorted = 0;
+        auto sort_upto = [&](int64_t upto) {  // c[0:upto) in order (chunks: a select, then a sort)
+          while (sorted < upto) {
+            const int64_t next = std::min(n, std::max(upto, sorted + 1024));
+            if (next < n) std::nth_element(c + sorted, c + next, c + n);
+            std::sort(c + sorted, c + next);
+            sorted = next;
+          }
+        };
+        auto weight = [&](int64_t j) { return w[static_cast<int64_t>(c[j] & 0xffffffffu)]; };
+        const int64_t limit = k_cuts ? k : n;
+        double zk = z;
+        if (k_cuts) {  // the top-p mass is of the top k
+          sort_upto(k);
+          zk = 0.0;
+          for (int64_t j = 0; j < k; ++j) zk += weight(j);
+        }
+        int64_t kept = limit;
+        bool stopped = k_cuts;  // the top k are all candidates
+        if (top_p < 1.0) {
+          const double target = top_p * zk;
+          double acc = 0.0;
+          for (int64_t j = 0; j < limit; ++j) {
+            if (j > 0 && acc >= target) {  // the smallest prefix whose mass reaches top_p (the first always stays)
+              kept = j;
+              stopped = true;
+              break;
+            }
+            if (j == sorted) sort_upto(j + 1);
+            acc += weight(j);
+          }
+        }
+        if (!stopped && lowest > 0) {  // the mass fell short of top_p by rounding: take every positive weight
+          lowest = 0;
+          continue;
+        }
+        sort_upto(kept);
+        cut = true;
+        last_kept = c[kept - 1];
+        break;
+      }
+    }
+  }
+  if (cut || min_p > 0.f) {  // what the filters drop gets weight 0
+    float lstar = std::numeric_limits<float>::infinity();
+    int64_t istar = -1;
+    if (cut) {  // kept: logit above the last kept one's, or equal to it at an index not after it
+      const uint32_t ord = ~static_cast<uint32_t>(last_kept >> 32);
+      const uint32_t b = (ord & 0x80000000u) ? (ord & 0x7fffffffu) : ~ord;
+      std::memcpy(&lstar, &b, sizeof lstar);
+      istar = static_cast<int64_t>(last_kept & 0xffffffffu);
+    } else {
+      lstar = -std::numeric_limits<float>::infinity();
+      istar = V;
+    }
+    for (int64_t i = 0; i < V; ++i) {
+      const bool keep = (row[i] > lstar || (row[i] == lstar && i <= istar)) && w[i] >= min_p;
+      w[i] = keep ? w[i] : 0.f;
+    }
+  }
+  // The inverse CDF over blocks of 64 weights: each block's sum in double (vectorised), the running sum over the
+  // blocks, then weight by weight inside the block where it crosses u times the total.
+  constexpr int64_t kB = 64;
+  const int64_t nb = (V + kB - 1) / kB;
+  s.block.resize(nb);
+  double* bs = s.block.data();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t i0 = blk * kB, i1 = std::min(V, i0 + kB);
+    double acc = 0.0;
+    for (int64_t i = i0; i < i1; ++i) acc += w[i];
+    bs[blk] = acc;
+  }
+  double total = 0.0;
+  for (int64_t blk = 0; blk < nb; ++blk) total += bs[blk];
+  if (!(total > 0.0) || !finite_bits(total)) return -1;
+  const double t = u * total;
+  double acc = 0.0;
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    if (acc + bs[blk] <= t) {
+      acc += bs[blk];
+      continue;
+    }
+    const int64_t i0 = blk * kB, i1 = std::min(V, i0 + kB);
+    for (int64_t i = i0; i < i1; ++i) {
+      acc += w[i];
+      if (acc > t && w[i] > 0.f) return i;
+    }
+  }
+  for (int64_t i = V - 1; i >= 0; --i)  // rounding past the end: the last positive weight
+    if (w[i] > 0.f) return i;
+  return -1;
+}
+
+}  // namespace
+
+// The sampler's whole draw per row on the CPU, from the (adjusted) float32 logits: temperature (0: the argmax), top-k,
+// top-p, min-p, and one inverse-CDF draw (as sample_rows) over the weights exp((l - max) / T) that stay, without
+// materialising probabilities, sorting the vocabulary or allocating [R, V] tensors. The filters as the torch path's:
+// top-k keeps the first k in (logit descending, index ascending) order, top-p the smallest prefix of the top k whose
+// share of their mass reaches top_p (the first always stays), min-p the weights >= min_p times the largest. Only the
+// candidates a top-k / top-p cut can reach are sorted: those at or above the highest power of two that holds the top
+// k (or the top_p mass), found from a histogram of the weights' exponents.
+torch::Tensor sample_logits(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                            torch::Tensor min_p, torch::Tensor u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
+                  logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 32),
+              "sample_logits: logits must be float32 [R, V] with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1), ls = logits.stride(0);
+  auto check = [&](const torch::Tensor& t, torch::ScalarType dt, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dt && t.is_contiguous() && t.size(0) == R, "sample_logits: ", name,
+                " must be a contiguous [R] tensor of ", c10::toString(dt));
+  };
+  check(temperature, torch::kFloat32, "temperature");
+  check(top_k, torch::kInt64, "top_k");
+  check(top_p, torch::kFloat32, "top_p");
+  check(min_p, torch::kFloat32, "min_p");
+  check(u, torch::kFloat64, "u");
+  auto out = torch::empty({R}, torch::TensorOptions().dtype(torch::kInt64));
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* x = logits.data_ptr<float>();
+  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const double* up = u.data_ptr<double>();
+  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+    thread_local SampleScratch scratch;
+    for (int64_t r = b; r < e; ++r) op[r] = sample_logits_row(x + r * ls, V, tp[r], kp[r], pp[r], mp[r], up[r], scratch);
   });
   return out;
 }
