@@ -38,6 +38,18 @@ def test_bench_throughput_json(tmp_path):
         roof["total_gflop"] / roof["gemm_gflops"] / r["elapsed_s"])
 
 
+def test_bench_throughput_sampled(tmp_path):
+    """--temperature / --top-p / --top-k / --min-p: every request samples with them, and the JSON says so."""
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "6", "--temperature",
+               "0.8", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01", "--dtype", "float32", "--quiet",
+               "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.01}
+    assert r["output_tokens_per_s"] == pytest.approx(6 * r["requests_per_s"], rel=1e-6)
+
+
 def test_bench_latency_json(tmp_path):
     out = tmp_path / "lat.json"
     rc = main(["bench", "latency", "--input-len", "8", "--output-len", "6", "--num-iters", "2",

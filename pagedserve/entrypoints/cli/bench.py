@@ -84,7 +84,8 @@ def run_throughput(args, config) -> dict:
     llm = LLM(**{k: v for k, v in vars(config).items() if k != "model"}, model=config.model)
     prompts = _load_prompts(args, config.seed)
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            ignore_eos=True, max_tokens=args.output_len)
     warm = {"prompt_token_ids": random_prompts(1, 16, config.seed + 1)[0]}
     llm.generate([warm], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     llm.engine.reset_prefix_cache()
@@ -101,6 +102,7 @@ def run_throughput(args, config) -> dict:
         "dtype": str(llm.engine.dtype).removeprefix("torch."), "int8_activations": int8_activations_used(llm.engine),
         "num_prompts": len(outs),
         "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": elapsed,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p},
         "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
         "prompt_tokens_per_s": prompt_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
@@ -590,6 +592,12 @@ def register(sub) -> None:
                            "(default: a nested object with an enum and an array)")
             m.add_argument("--flexible-whitespace", action="store_true",
                            help="with --structured json: allow whitespace between JSON tokens (default: compact)")
+            m.add_argument("--temperature", type=float, default=0.0,
+                           help="sample every request at this temperature (default 0: greedy, as vLLM's benchmark "
+                           "at temperature 0)")
+            m.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
+            m.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k sampling (0: off)")
+            m.add_argument("--min-p", type=float, default=0.0, help="with --temperature: min-p sampling")
         if mode == "latency":
             m.add_argument("--num-iters", type=int, default=3)
             m.add_argument("--prompts-file", default=None, help="JSON lines with \"prompt\" or \"messages\" "
