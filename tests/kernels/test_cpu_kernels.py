@@ -381,3 +381,28 @@ def test_matmul_route_ids_agree_with_decode_stack(kernels):
 
     python_only = (Route.PACKED, Route.LINEAR_F32)
     assert dict(kernels.matmul_routes()) == {r.name.lower(): int(r) for r in Route if r not in python_only}
+
+
+def test_sample_logits_draws_the_torch_samplers_tokens(kernels):
+    """The sampler's C++ draw (temperature, top-k / top-p / min-p, inverse CDF) on both builds: the torch path's
+    tokens for the same uniforms (the full comparison is in tests/engine/test_sampler.py)."""
+    from pagedserve.sampling.metadata import SamplingMetadata
+    from pagedserve.sampling.sampler import Sampler
+
+    rows, vocab = 40, 3000
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temps = torch.tensor([0.0, 0.6, 1.0, 1.8] * 10)
+    top_k = torch.tensor([0, 0, 7, 100, 2000] * 8)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.99] * 10)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05] * 8)
+    meta = SamplingMetadata(num_rows=rows, all_greedy=False, all_plain_greedy=False, greedy=temps == 0,
+                            temperature=temps.masked_fill(temps == 0, 1.0).unsqueeze(1), top_k=top_k, top_p=top_p,
+                            min_p=min_p, generators=[None] * rows)
+    u = Sampler(seed=4)._uniforms([None] * rows)
+    fused = kernels.sample_logits(logits, temps, top_k, top_p, min_p, u)
+    assert fused.tolist() == Sampler(seed=4)(logits, meta).token_ids
+    bad = logits.clone()
+    bad[3, 5] = float("nan")
+    bad[5] = float("-inf")  # (row 4 is greedy)
+    assert kernels.sample_logits(bad, temps, top_k, top_p, min_p, u)[[3, 5]].tolist() == [-1, -1]
