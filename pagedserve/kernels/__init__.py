@@ -136,6 +136,11 @@ class CpuKernels:
         (0: off), top_p and min_p [R] float32, u float64 [R] in [0, 1) -> int64 [R] (-1 for a row that cannot draw)."""
         return self.ext.sample_logits(logits, temperature, top_k, top_p, min_p, u)
 
+    def logprobs_rows(self, logits, rows, tokens, k):
+        """Log-softmax logprobs of rows [n] of float32 logits [R, V]: (chosen [n], rank [n], top ids [n, k], top
+        logprobs [n, k]) for the sampled tokens [n]; the top k largest first, ties in index order."""
+        return self.ext.logprobs_rows(logits, rows, tokens, k)
+
     def apply_token_bitmask(self, logits, bitmask, rows) -> None:
         """Structured outputs: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (in place)."""
         self.ext.apply_token_bitmask(logits, bitmask, rows)

@@ -201,8 +201,16 @@ class Sampler:
         result: list = [None] * len(num_logprobs)
         if not rows:
             return result
-        lp = self._rows(lambda r: r.log_softmax(dim=-1), raw[rows])
         k = max(num_logprobs[i] for i in rows)
+        if self.kernels is not None and raw.device.type == "cpu":  # per row in C++: no [rows, vocab] log-softmax
+            chosen, rank, top_ids, top_vals = (t.tolist() for t in self.kernels.logprobs_rows(
+                raw.float().contiguous(), torch.tensor(rows), torch.tensor([tokens[i] for i in rows]),
+                min(max(k, 1), raw.shape[1])))
+            for j, i in enumerate(rows):
+                n = num_logprobs[i]
+                result[i] = (chosen[j], rank[j], top_ids[j][:n], top_vals[j][:n])
+            return result
+        lp = self._rows(lambda r: r.log_softmax(dim=-1), raw[rows])
         top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
         for j, i in enumerate(rows):
             chosen = lp[j, tokens[i]]

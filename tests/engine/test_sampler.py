@@ -370,3 +370,30 @@ def test_tied_logits_are_kept_in_index_order(kernels, top_k, top_p):
     meta = _filter_meta([1.0] * 300, [top_k] * 300, [top_p] * 300, [0.0] * 300)
     tokens = EngineSampler(3, kernels=CpuKernels.build() if kernels else None)(logits, meta).token_ids
     assert set(tokens) == {0, 2}
+
+
+@pytest.mark.parametrize("vocab", [5, 3000, 262144])
+def test_logprobs_kernel_equals_the_torch_path(vocab):
+    """On the CPU the logprobs come from a C++ kernel per row (log-sum-exp, rank, the top k by one pass): torch's
+    log-softmax values, ranks and top ids, for the rows that asked (top-n from 0 to 20, one row twice the vocabulary's
+    tokens when it is small); tied logits list in index order."""
+    kernels = CpuKernels.build()
+    rows = 12
+    raw = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    raw[3, : min(vocab, 6)] = raw[3].max() + 1  # ties at the top
+    tokens = [int(t) for t in torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(1))]
+    nums = [None, 0, 1, 5, None, 20, 2, 3, 20, 0, 7, None]
+    nums = [None if n is None else min(n, vocab) for n in nums]
+    fast = EngineSampler(kernels=kernels).logprobs(raw, tokens, nums)
+    ref = EngineSampler().logprobs(raw, tokens, nums)
+    for r in range(rows):
+        if nums[r] is None:
+            assert fast[r] is None and ref[r] is None
+            continue
+        (c1, k1, ids1, v1), (c2, k2, ids2, v2) = fast[r], ref[r]
+        assert c1 == pytest.approx(c2, abs=2e-5) and k1 == k2
+        assert len(ids1) == nums[r] and v1 == pytest.approx(v2, abs=2e-5)
+        if r == 3:
+            assert ids1 == list(range(nums[3]))  # the six tied best, in index order (torch's topk: any of them)
+        else:
+            assert ids1 == ids2

@@ -571,6 +571,37 @@ int64_t sample_logits_row(const float* row, int64_t V, float temperature, int64_
   return -1;
 }
 
+// One row's logprobs (logits l, its log-sum-exp lse): the chosen token's l - lse and its rank (1 + the number of
+// logits above it), and the k largest as (index, l - lse), largest first, ties in index order.
+void logprobs_row(const float* l, int64_t V, int64_t token, int64_t k, float* chosen, int64_t* rank, int64_t* ids,
+                  float* vals) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) m = std::max(m, l[i]);
+  float z = 0.f;
+  for (int64_t i = 0; i < V; ++i) z += std::exp(l[i] - m);
+  const float lse = m + std::log(z);
+  const float lt = l[token];
+  int64_t above = 0;
+  for (int64_t i = 0; i < V; ++i) above += l[i] > lt;
+  *chosen = lt - lse;
+  *rank = above + 1;
+  // The k best so far, best first: a logit enters only above the k-th (ties keep the earlier index).
+  int64_t n = 0;
+  float kth = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = l[i];
+    if (n == k && !(v > kth)) continue;
+    int64_t j = n < k ? n++ : k - 1;
+    while (j > 0 && v > l[ids[j - 1]]) {
+      ids[j] = ids[j - 1];
+      --j;
+    }
+    ids[j] = i;
+    if (n == k) kth = l[ids[k - 1]];
+  }
+  for (int64_t j = 0; j < k; ++j) vals[j] = l[ids[j]] - lse;
+}
+
 }  // namespace
 
 // The sampler's whole draw per row on the CPU, from the (adjusted) float32 logits: temperature (0: the argmax), top-k,
@@ -606,6 +637,33 @@ torch::Tensor sample_logits(torch::Tensor logits, torch::Tensor temperature, tor
     for (int64_t r = b; r < e; ++r) op[r] = sample_logits_row(x + r * ls, V, tp[r], kp[r], pp[r], mp[r], up[r], scratch);
   });
   return out;
+}
+
+// Logprobs of the rows that asked (rows [n] into logits' rows, tokens [n] their sampled ids, k >= 1 the most top
+// logprobs any of them asked for): (chosen [n] float32, rank [n] int64, top ids [n, k] int64, top logprobs [n, k]
+// float32), the model's raw distribution (log-softmax), without a [n, vocab] log-softmax or a top-k over it.
+std::vector<torch::Tensor> logprobs_rows(torch::Tensor logits, torch::Tensor rows, torch::Tensor tokens, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
+                  logits.size(1) > 0,
+              "logprobs_rows: logits must be float32 [R, V] with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1), ls = logits.stride(0), n = rows.numel();
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.is_contiguous() && tokens.dim() == 1 &&
+                  tokens.scalar_type() == torch::kInt64 && tokens.is_contiguous() && tokens.numel() == n,
+              "logprobs_rows: rows and tokens must be contiguous int64 [n]");
+  TORCH_CHECK(k >= 1 && k <= V, "logprobs_rows: k must be in [1, V]");
+  const int64_t *rp = rows.data_ptr<int64_t>(), *tp = tokens.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < R && tp[j] >= 0 && tp[j] < V, "logprobs_rows: row or token out of range");
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32), i64 = torch::TensorOptions().dtype(torch::kInt64);
+  auto chosen = torch::empty({n}, f32), top_vals = torch::empty({n, k}, f32);
+  auto rank = torch::empty({n}, i64), top_ids = torch::empty({n, k}, i64);
+  const float* x = logits.data_ptr<float>();
+  float *cp = chosen.data_ptr<float>(), *vp = top_vals.data_ptr<float>();
+  int64_t *kp = rank.data_ptr<int64_t>(), *ip = top_ids.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) logprobs_row(x + rp[j] * ls, V, tp[j], k, cp + j, kp + j, ip + j * k, vp + j * k);
+  });
+  return {chosen, rank, top_ids, top_vals};
 }
 
 }  // namespace pagedserve
