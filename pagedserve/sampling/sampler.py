@@ -64,9 +64,11 @@ class Sampler:
         """(the raw float32 logits, the logits after the grammar mask, min_tokens and the penalties)."""
         logits = logits.float()
         raw = logits
-        if meta.token_mask is not None:
+        if meta.token_mask is not None or meta.banned or meta.penalties:
+            # In place on the model's logits (each step's are its own; a failed step recomputes them), on a copy
+            # only where logprobs read the unadjusted ones.
             if any(n is not None for n in meta.num_logprobs):
-                logits = logits.clone()  # the logprobs read the unmasked logits
+                logits = logits.clone()
             self._apply_token_mask(logits, meta)
         logits = self._apply_min_tokens(logits, meta.banned)
         return raw, self._apply_penalties(logits, meta.penalties)
@@ -84,10 +86,7 @@ class Sampler:
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Before min_tokens are out, EOS and stop token ids cannot be drawn at all."""
-        if not banned:
-            return logits
-        logits = logits.clone()
+        """Before min_tokens are out, EOS and stop token ids cannot be drawn at all (in place)."""
         for row, ids in banned:
             logits[row, ids] = float("-inf")
         return logits
@@ -95,21 +94,22 @@ class Sampler:
     # ---- penalties -------------------------------------------------------------------------------
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, penalties: list[Penalty]) -> torch.Tensor:
-        if not penalties:
-            return logits
-        logits = logits.clone()
+        """In place, on the tokens each penalised row has seen only (its prompt's and output's ids, not the whole
+        vocabulary): repetition divides a positive logit / multiplies a negative one, then frequency × count and
+        presence are subtracted for the output's ids."""
         vocab = logits.shape[1]
         for p in penalties:  # only requests that asked for penalties pay for this
             out_ids = torch.tensor(p.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].float()
+            out_ids = out_ids[out_ids < vocab]
             row = logits[p.row]
             if p.repetition != 1.0:
-                seen = counts > 0
-                seen[torch.tensor(p.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
-                penalised = torch.where(row > 0, row / p.repetition, row * p.repetition)
-                row = torch.where(seen, penalised, row)
-            row = row - p.frequency * counts - p.presence * (counts > 0).float()
-            logits[p.row] = row
+                prompt_ids = torch.tensor(p.prompt_token_ids, dtype=torch.long, device=logits.device)
+                seen = torch.unique(torch.cat([out_ids, prompt_ids]))
+                v = row[seen]
+                row[seen] = torch.where(v > 0, v / p.repetition, v * p.repetition)
+            if p.frequency != 0.0 or p.presence != 0.0:
+                ids, counts = torch.unique(out_ids, return_counts=True)
+                row[ids] = row[ids] - p.frequency * counts.float() - p.presence
         return logits
 
     # ---- top-k / top-p / min-p -------------------------------------------------------------------
@@ -167,7 +167,7 @@ class Sampler:
         top_k = meta.top_k if meta.top_k is not None else torch.zeros(rows, dtype=torch.long)
         top_p = meta.top_p.float() if meta.top_p is not None else torch.ones(rows)
         min_p = meta.min_p.float() if meta.min_p is not None else torch.zeros(rows)
-        return self.kernels.sample_logits(logits.float().contiguous(), temperature, top_k.contiguous(),
+        return self.kernels.sample_logits(_rows_contiguous(logits.float()), temperature, top_k.contiguous(),
                                           top_p.contiguous(), min_p.contiguous(), self._uniforms(meta.generators))
 
     def draw_one(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -204,7 +204,7 @@ class Sampler:
         k = max(num_logprobs[i] for i in rows)
         if self.kernels is not None and raw.device.type == "cpu":  # per row in C++: no [rows, vocab] log-softmax
             chosen, rank, top_ids, top_vals = (t.tolist() for t in self.kernels.logprobs_rows(
-                raw.float().contiguous(), torch.tensor(rows), torch.tensor([tokens[i] for i in rows]),
+                _rows_contiguous(raw.float()), torch.tensor(rows), torch.tensor([tokens[i] for i in rows]),
                 min(max(k, 1), raw.shape[1])))
             for j, i in enumerate(rows):
                 n = num_logprobs[i]
@@ -228,3 +228,8 @@ def _in_vocab(tokens: list[int], vocab: int) -> list[int]:
             raise ValueError(f"sampler: row {row} gave token id {t}, outside [0, {vocab}) (non-finite logits?)")
     return tokens
 
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x with contiguous rows, as the C++ kernels read them (any row stride: a sliced or broadcast batch is not
+    copied)."""
+    return x if x.stride(-1) == 1 else x.contiguous()

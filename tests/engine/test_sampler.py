@@ -34,7 +34,9 @@ class Sampler(EngineSampler):
     """The engine's sampler, fed the way the engine feeds it: SamplingMetadata built from the requests."""
 
     def __call__(self, logits, requests):
-        return super().__call__(logits, SamplingMetadata.from_requests(requests, [_generator(r) for r in requests]))
+        # Fresh logits per call, as every engine step has (the sampler adjusts them in place).
+        return super().__call__(logits.clone(),
+                                SamplingMetadata.from_requests(requests, [_generator(r) for r in requests]))
 
 
 def apply_penalties(logits, requests):
@@ -116,7 +118,7 @@ def test_repetition_penalty_divides_positive_multiplies_negative():
     out = apply_penalties(logits, [r])
     expected = torch.tensor([[1.0, -4.0, 4.0, -4.0, 1.0, 0.5]])
     torch.testing.assert_close(out, expected)
-    assert torch.equal(logits, torch.tensor([[2.0, -2.0, 4.0, -4.0, 1.0, 0.5]]))  # input untouched
+    assert out is logits  # in place: a step's logits are its own (the sampler copies them only for logprobs)
 
 
 def test_frequency_and_presence_penalties_subtract():
@@ -397,3 +399,29 @@ def test_logprobs_kernel_equals_the_torch_path(vocab):
             assert ids1 == list(range(nums[3]))  # the six tied best, in index order (torch's topk: any of them)
         else:
             assert ids1 == ids2
+
+
+def test_penalties_touch_only_seen_tokens_as_the_dense_formula():
+    """The penalties, applied in place to the ids each row has seen, equal the dense formula over the vocabulary
+    (counts by bincount, repetition where seen, then frequency × count and presence) bit for bit."""
+    vocab, rows = 5000, 6
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    reqs = []
+    for i in range(rows):
+        prompt = torch.randint(0, vocab, (40,), generator=g).tolist()
+        outputs = torch.randint(0, 60, (30,), generator=g).tolist()  # repeats
+        reqs.append(req(str(i), prompt=prompt, outputs=outputs, repetition_penalty=[1.0, 1.3][i % 2],
+                        frequency_penalty=[0.0, 0.4, -0.7][i % 3], presence_penalty=[0.5, 0.0][i % 2],
+                        temperature=1.0))
+    expected = logits.clone()
+    for i, r in enumerate(reqs):
+        p = r.sampling_params
+        counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=vocab).float()
+        row = expected[i]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(r.prompt_token_ids)] = True
+            row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+        expected[i] = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    assert torch.equal(apply_penalties(logits, reqs), expected)
