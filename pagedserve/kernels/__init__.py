@@ -136,6 +136,11 @@ class CpuKernels:
         (0: off), top_p and min_p [R] float32, u float64 [R] in [0, 1) -> int64 [R] (-1 for a row that cannot draw)."""
         return self.ext.sample_logits(logits, temperature, top_k, top_p, min_p, u)
 
+    def filtered_weights(self, logits, temperature, top_k, top_p, min_p):
+        """The [R, V] float32 weights sample_logits draws from (unnormalised, each row's largest kept one 1; one-hot
+        at the argmax where the temperature is 0, NaN for a row that cannot draw)."""
+        return self.ext.filtered_weights(logits, temperature, top_k, top_p, min_p)
+
     def logprobs_rows(self, logits, rows, tokens, k):
         """Log-softmax logprobs of rows [n] of float32 logits [R, V]: (chosen [n], rank [n], top ids [n, k], top
         logprobs [n, k]) for the sampled tokens [n]; the top k largest first, ties in index order."""

@@ -74,8 +74,23 @@ class Sampler:
         return raw, self._apply_penalties(logits, meta.penalties)
 
     def probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """The distribution each row draws from: temperature, then top-k / top-p / min-p."""
+        """The distribution each row draws from: temperature, then top-k / top-p / min-p (on the CPU the C++ kernel's
+        weights, those `sample_logits` draws from, normalised)."""
+        if self.kernels is not None and logits.device.type == "cpu":
+            temperature, top_k, top_p, min_p = self._filter_args(meta)
+            w = self.kernels.filtered_weights(_rows_contiguous(logits.float()), temperature, top_k, top_p, min_p)
+            return w / self._rows(lambda r: r.sum(dim=-1, keepdim=True), w)
         return self._softmax(self._filter(logits / meta.temperature, meta))
+
+    @staticmethod
+    def _filter_args(meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The C++ kernels' per-row temperature (as in meta: 1 on greedy rows), top_k (0: off), top_p, min_p."""
+        rows = meta.num_rows
+        temperature = meta.temperature.squeeze(1).float().contiguous()
+        top_k = meta.top_k.contiguous() if meta.top_k is not None else torch.zeros(rows, dtype=torch.long)
+        top_p = meta.top_p.float().contiguous() if meta.top_p is not None else torch.ones(rows)
+        min_p = meta.min_p.float().contiguous() if meta.min_p is not None else torch.zeros(rows)
+        return temperature, top_k, top_p, min_p
 
     def _apply_token_mask(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
         """Structured outputs: the tokens a constrained row's grammar does not allow get -inf (in place)."""
@@ -162,13 +177,10 @@ class Sampler:
     def _sample_cpu(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k / top-p / min-p and the draw in one C++ kernel per row (the torch path's tokens, without
         its [rows, vocab] temporaries or its sort of the whole vocabulary)."""
-        rows = meta.num_rows
-        temperature = meta.temperature.squeeze(1).masked_fill(meta.greedy, 0.0).float().contiguous()
-        top_k = meta.top_k if meta.top_k is not None else torch.zeros(rows, dtype=torch.long)
-        top_p = meta.top_p.float() if meta.top_p is not None else torch.ones(rows)
-        min_p = meta.min_p.float() if meta.min_p is not None else torch.zeros(rows)
-        return self.kernels.sample_logits(_rows_contiguous(logits.float()), temperature, top_k.contiguous(),
-                                          top_p.contiguous(), min_p.contiguous(), self._uniforms(meta.generators))
+        temperature, top_k, top_p, min_p = self._filter_args(meta)
+        temperature = temperature.masked_fill(meta.greedy, 0.0)  # greedy rows: the argmax, in the same call
+        return self.kernels.sample_logits(_rows_contiguous(logits.float()), temperature, top_k, top_p, min_p,
+                                          self._uniforms(meta.generators))
 
     def draw_one(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
         """One categorical draw from a [vocab] row of (unnormalised) probabilities, consuming the generator

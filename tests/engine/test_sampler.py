@@ -425,3 +425,18 @@ def test_penalties_touch_only_seen_tokens_as_the_dense_formula():
             row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
         expected[i] = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
     assert torch.equal(apply_penalties(logits, reqs), expected)
+
+
+def test_probs_from_the_kernel_are_the_torch_paths():
+    """The distributions speculative decoding verifies against (Sampler.probs): the C++ kernel's normalised weights,
+    those its draw uses, equal the torch path's softmax after the filters; a greedy-temperature row in the kernel's
+    own call is one-hot, a NaN row stays NaN."""
+    kernels = CpuKernels.build()
+    logits = torch.randn(6, 4000, generator=torch.Generator().manual_seed(2)) * 3
+    meta = _filter_meta([1.0, 0.7, 1.3, 1.0, 0.5, 2.0], [0, 40, 0, 3, 0, 100], [1.0, 0.9, 0.8, 1.0, 0.95, 1.0],
+                        [0.0, 0.0, 0.05, 0.0, 0.0, 0.01])
+    torch.testing.assert_close(EngineSampler(kernels=kernels).probs(logits, meta), EngineSampler().probs(logits, meta),
+                               atol=1e-6, rtol=1e-4)
+    logits[1, 7] = float("nan")
+    w = kernels.filtered_weights(logits, torch.tensor([0.0, 1, 1, 1, 1, 1]), meta.top_k, meta.top_p, meta.min_p)
+    assert w[0].sum() == 1 and w[0, int(logits[0].argmax())] == 1 and w[1].isnan().all()

@@ -11,6 +11,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_math import blocks_for_tokens
+from pagedserve.kernels import CpuKernels
 from pagedserve.sampling.metadata import SamplingMetadata
 from pagedserve.sampling.rejection_sampler import verify
 from pagedserve.sampling.sampler import Sampler
@@ -116,14 +117,19 @@ def _meta(rows: int, temperature: float, top_k: int, gen: torch.Generator) -> Sa
                             num_logprobs=[None] * rows)
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpp"])
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 4)])
-def test_rejection_sampling_keeps_the_target_distribution(temperature, top_k):
+def test_rejection_sampling_keeps_the_target_distribution(temperature, top_k, kernels):
     """Each emitted position has the target's distribution (temperature and top-k applied), whatever the
-    drafts: chi-square goodness of fit over 6000 seeded verifications, position by position."""
+    drafts: chi-square goodness of fit over 6000 seeded verifications, position by position; the target's
+    distributions from torch ops, or from the C++ kernel's weights that plain sampling draws from."""
     torch.manual_seed(0)
     vocab, drafts = 7, [2, 5, 0]
     logits = torch.randn(len(drafts) + 1, vocab) * 1.5
-    sampler = Sampler(seed=1)
+    sampler = Sampler(seed=1, kernels=CpuKernels.build() if kernels else None)
+    if kernels:  # the same distributions as the torch path's
+        meta = _meta(len(drafts) + 1, temperature, top_k, torch.Generator())
+        torch.testing.assert_close(sampler.probs(logits, meta), Sampler().probs(logits, meta))
     gen = torch.Generator().manual_seed(123)
     meta = _meta(len(drafts) + 1, temperature, top_k, gen)
     target = sampler.probs(logits, meta)  # the distributions the emitted tokens must follow

@@ -38,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &pagedserve::argmax_rows, "first argmax of each row (greedy sampling)");
   m.def("sample_rows", &pagedserve::sample_rows, "one inverse-CDF draw per row of non-negative weights (u: [R] in [0, 1))");
   m.def("sample_logits", &pagedserve::sample_logits, "the sampler's draw per row from logits: temperature (0: argmax), top-k, top-p, min-p, inverse CDF");
+  m.def("filtered_weights", &pagedserve::filtered_weights, "the weights sample_logits draws from, [R, V] (largest kept: 1)");
   m.def("logprobs_rows", &pagedserve::logprobs_rows, "logprobs of the chosen tokens, their ranks and the top k per row (log-softmax)");
   m.def("apply_token_bitmask", &pagedserve::apply_token_bitmask,
         "structured outputs: -inf on the logits whose bit is clear in a row's token bitmask, in place");

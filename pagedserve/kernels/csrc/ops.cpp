@@ -393,22 +393,20 @@ struct SampleScratch {
   std::vector<double> block;
 };
 
-// One row of sample_logits: returns the drawn index or -1.
-int64_t sample_logits_row(const float* row, int64_t V, float temperature, int64_t top_k, double top_p, float min_p,
-                          double u, SampleScratch& s) {
-  if (temperature == 0.f) return argmax_row<float>(row, V);
+// One row's weights after temperature (> 0) and the filters into w[0:V]: exp((l - max) / T) where kept, 0 elsewhere.
+// False where the row cannot draw (a NaN or +inf logit, or nothing above -inf).
+bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_t top_k, double top_p, float min_p,
+                          float* w, SampleScratch& s) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < V; ++i) m = std::max(m, row[i]);
-  if (!finite_bits(m)) return -1;  // +inf, NaN, or nothing above -inf
-  s.w.resize(V);
-  float* w = s.w.data();
+  if (!finite_bits(m)) return false;
   const float inv_t = 1.f / temperature;
   float zf = 0.f;  // only to see a NaN
   for (int64_t i = 0; i < V; ++i) {
     w[i] = std::exp((row[i] - m) * inv_t);  // the row's maximum gets exactly 1
     zf += w[i];
   }
-  if (!finite_bits(zf)) return -1;
+  if (!finite_bits(zf)) return false;
 
   const int64_t k = top_k > 0 ? std::min(top_k, V) : V;
   bool cut = false;
@@ -538,6 +536,16 @@ int64_t sample_logits_row(const float* row, int64_t V, float temperature, int64_
       w[i] = keep ? w[i] : 0.f;
     }
   }
+  return true;
+}
+
+// One row of sample_logits: returns the drawn index or -1.
+int64_t sample_logits_row(const float* row, int64_t V, float temperature, int64_t top_k, double top_p, float min_p,
+                          double u, SampleScratch& s) {
+  if (temperature == 0.f) return argmax_row<float>(row, V);
+  s.w.resize(V);
+  float* w = s.w.data();
+  if (!filtered_weights_row(row, V, temperature, top_k, top_p, min_p, w, s)) return -1;
   // The inverse CDF over blocks of 64 weights: each block's sum in double (vectorised), the running sum over the
   // blocks, then weight by weight inside the block where it crosses u times the total.
   constexpr int64_t kB = 64;
@@ -635,6 +643,43 @@ torch::Tensor sample_logits(torch::Tensor logits, torch::Tensor temperature, tor
   at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
     thread_local SampleScratch scratch;
     for (int64_t r = b; r < e; ++r) op[r] = sample_logits_row(x + r * ls, V, tp[r], kp[r], pp[r], mp[r], up[r], scratch);
+  });
+  return out;
+}
+
+// The distributions sample_logits draws from, as [R, V] float32 weights (unnormalised: each row's largest kept weight is
+// 1): what speculative decoding's verification reads. A row at temperature 0 is one-hot at its argmax; a row that
+// cannot draw is NaN.
+torch::Tensor filtered_weights(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
+                               torch::Tensor top_p, torch::Tensor min_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
+                  logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 32),
+              "filtered_weights: logits must be float32 [R, V] with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1), ls = logits.stride(0);
+  auto check = [&](const torch::Tensor& t, torch::ScalarType dt, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dt && t.is_contiguous() && t.size(0) == R, "filtered_weights: ",
+                name, " must be a contiguous [R] tensor of ", c10::toString(dt));
+  };
+  check(temperature, torch::kFloat32, "temperature");
+  check(top_k, torch::kInt64, "top_k");
+  check(top_p, torch::kFloat32, "top_p");
+  check(min_p, torch::kFloat32, "min_p");
+  auto out = torch::empty({R, V}, torch::TensorOptions().dtype(torch::kFloat32));
+  float* op = out.data_ptr<float>();
+  const float* x = logits.data_ptr<float>();
+  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+    thread_local SampleScratch scratch;
+    for (int64_t r = b; r < e; ++r) {
+      float* w = op + r * V;
+      if (tp[r] == 0.f) {
+        std::fill(w, w + V, 0.f);
+        w[argmax_row<float>(x + r * ls, V)] = 1.f;
+      } else if (!filtered_weights_row(x + r * ls, V, tp[r], kp[r], pp[r], mp[r], w, scratch)) {
+        std::fill(w, w + V, std::numeric_limits<float>::quiet_NaN());
+      }
+    }
   });
   return out;
 }

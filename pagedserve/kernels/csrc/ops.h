@@ -25,6 +25,8 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u);
 torch::Tensor sample_logits(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                             torch::Tensor min_p, torch::Tensor u);
+torch::Tensor filtered_weights(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
+                               torch::Tensor top_p, torch::Tensor min_p);
 std::vector<torch::Tensor> logprobs_rows(torch::Tensor logits, torch::Tensor rows, torch::Tensor tokens, int64_t k);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 bool has_bf16_gemv();
