@@ -452,17 +452,26 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
     }
     const bool k_cuts = k < npos;
     if (k_cuts || top_p < 1.0) {
-      int lowest = 0;  // candidates: weights >= 2^(lowest - 127), or every positive weight when 0
+      // Candidates: weights >= 2^(lowest - 127), or every positive weight when lowest is 0. With top-p alone, only
+      // the bucket where the mass reaches top_p: the weights of the buckets above it (`above` of them, `mass_above`)
+      // all stay and rank before it.
+      int lowest = 0;
+      int64_t above = 0;
+      double mass_above = 0.0;
       {
         int64_t c = 0;
         double mm = 0.0;
         for (int e = 127; e >= 1; --e) {
-          c += count[e];
-          mm += mass[e];
-          if (k_cuts ? c >= k : mm >= top_p * z) {
+          if (k_cuts ? c + count[e] >= k : mm + mass[e] >= top_p * z) {
             lowest = e;
+            if (!k_cuts) {
+              above = c;
+              mass_above = mm;
+            }
             break;
           }
+          c += count[e];
+          mm += mass[e];
         }
       }
       for (;;) {
@@ -474,8 +483,16 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
         s.cand.resize(V);
         uint64_t* c = s.cand.data();
         int64_t n = 0;
-        for (int64_t i = 0; i < V; ++i)
-          if (w[i] >= tau) c[n++] = rank_key(row[i], i);
+        if (above > 0 || mass_above > 0.0) {  // the boundary bucket only
+          for (int64_t i = 0; i < V; ++i) {
+            uint32_t b;
+            std::memcpy(&b, &w[i], sizeof b);
+            if (static_cast<int>(b >> 23) == lowest) c[n++] = rank_key(row[i], i);
+          }
+        } else {
+          for (int64_t i = 0; i < V; ++i)
+            if (w[i] >= tau) c[n++] = rank_key(row[i], i);
+        }
         int64_t sorted = 0;
         auto sort_upto = [&](int64_t upto) {  // c[0:upto) in order (chunks: a select, then a sort)
           while (sorted < upto) {
@@ -497,9 +514,9 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
         bool stopped = k_cuts;  // the top k are all candidates
         if (top_p < 1.0) {
           const double target = top_p * zk;
-          double acc = 0.0;
+          double acc = mass_above;
           for (int64_t j = 0; j < limit; ++j) {
-            if (j > 0 && acc >= target) {  // the smallest prefix whose mass reaches top_p (the first always stays)
+            if (above + j > 0 && acc >= target) {  // the smallest prefix reaching top_p (the first always stays)
               kept = j;
               stopped = true;
               break;
@@ -510,6 +527,8 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
         }
         if (!stopped && lowest > 0) {  // the mass fell short of top_p by rounding: take every positive weight
           lowest = 0;
+          above = 0;
+          mass_above = 0.0;
           continue;
         }
         sort_upto(kept);
