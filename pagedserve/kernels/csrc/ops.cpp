@@ -393,6 +393,37 @@ struct SampleScratch {
   std::vector<double> block;
 };
 
+// Weights w in [0, 1] by binary exponent (biased exponent 0..127; 0 holds zeros and subnormals): how many (C) and
+// their sum in double (M). Several tables, one per lane: consecutive weights mostly share an exponent, and one
+// table's updates would wait on each other (eight lanes for counts alone, four with sums: measured fastest).
+template <bool C, bool M>
+void exponent_histogram(const float* w, int64_t V, int64_t* count, double* mass) {
+  constexpr int L = M ? 4 : 8;
+  int32_t cnt[L][128] = {};
+  double sum[L][128] = {};
+  auto add = [&](int l, float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, sizeof b);
+    const uint32_t e = std::min<uint32_t>(b >> 23, 127);
+    if constexpr (C) ++cnt[l][e];
+    if constexpr (M) sum[l][e] += x;
+  };
+  int64_t i = 0;
+  for (; i + L <= V; i += L)
+    for (int l = 0; l < L; ++l) add(l, w[i + l]);
+  for (; i < V; ++i) add(0, w[i]);
+  for (int e = 0; e < 128; ++e) {
+    int64_t c = 0;
+    double m = 0.0;
+    for (int l = 0; l < L; ++l) {
+      c += cnt[l][e];
+      m += sum[l][e];
+    }
+    count[e] = c;
+    mass[e] = m;
+  }
+}
+
 // One row's weights after temperature (> 0) and the filters into w[0:V]: exp((l - max) / T) where kept, 0 elsewhere.
 // False where the row cannot draw (a NaN or +inf logit, or nothing above -inf).
 bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_t top_k, double top_p, float min_p,
@@ -416,47 +447,27 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
     // power of two that holds the top k, or the top_p mass, bounds the candidates that need sorting.
     int64_t count[128] = {};
     double mass[128] = {};
-    {
-      // Four tables, one per lane of four: consecutive weights mostly share an exponent, and one table's increments
-      // would wait on each other.
-      int32_t cnt4[4][128] = {};
-      double mass4[4][128] = {};
-      int64_t i = 0;
-      for (; i + 4 <= V; i += 4) {
-        for (int l = 0; l < 4; ++l) {
-          uint32_t b;
-          std::memcpy(&b, &w[i + l], sizeof b);
-          const uint32_t e = std::min<uint32_t>(b >> 23, 127);
-          ++cnt4[l][e];
-          mass4[l][e] += w[i + l];
-        }
-      }
-      for (; i < V; ++i) {
-        uint32_t b;
-        std::memcpy(&b, &w[i], sizeof b);
-        const uint32_t e = std::min<uint32_t>(b >> 23, 127);
-        ++cnt4[0][e];
-        mass4[0][e] += w[i];
-      }
-      for (int e = 0; e < 128; ++e) {
-        count[e] = int64_t{cnt4[0][e]} + cnt4[1][e] + cnt4[2][e] + cnt4[3][e];
-        mass[e] = (mass4[0][e] + mass4[1][e]) + (mass4[2][e] + mass4[3][e]);
-      }
+    if (k < V) {
+      if (top_p < 1.0) exponent_histogram<true, true>(w, V, count, mass);
+      else exponent_histogram<true, false>(w, V, count, mass);
+    } else {
+      exponent_histogram<false, true>(w, V, count, mass);
     }
-    int64_t npos = 0;
     double z = 0.0;
     for (int e = 0; e < 128; ++e) z += mass[e];
-    for (int e = 1; e < 128; ++e) npos += count[e];
-    {  // subnormal weights count as positive
-      for (int64_t i = 0; i < V && count[0] > 0; ++i) npos += (w[i] > 0.f && w[i] < std::numeric_limits<float>::min());
+    int64_t npos = V;  // only compared with k, which is V without top-k
+    if (k < V) {
+      npos = 0;
+      for (int e = 1; e < 128; ++e) npos += count[e];
+      for (int64_t i = 0; i < V && count[0] > 0; ++i)  // subnormal weights count as positive
+        npos += (w[i] > 0.f && w[i] < std::numeric_limits<float>::min());
     }
     const bool k_cuts = k < npos;
     if (k_cuts || top_p < 1.0) {
       // Candidates: weights >= 2^(lowest - 127), or every positive weight when lowest is 0. With top-p alone, only
-      // the bucket where the mass reaches top_p: the weights of the buckets above it (`above` of them, `mass_above`)
-      // all stay and rank before it.
+      // the bucket where the mass reaches top_p: the weights of the buckets above it (their sum `mass_above`, > 0
+      // where there are any) all stay and rank before it.
       int lowest = 0;
-      int64_t above = 0;
       double mass_above = 0.0;
       {
         int64_t c = 0;
@@ -464,10 +475,7 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
         for (int e = 127; e >= 1; --e) {
           if (k_cuts ? c + count[e] >= k : mm + mass[e] >= top_p * z) {
             lowest = e;
-            if (!k_cuts) {
-              above = c;
-              mass_above = mm;
-            }
+            if (!k_cuts) mass_above = mm;
             break;
           }
           c += count[e];
@@ -483,7 +491,7 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
         s.cand.resize(V);
         uint64_t* c = s.cand.data();
         int64_t n = 0;
-        if (above > 0 || mass_above > 0.0) {  // the boundary bucket only
+        if (mass_above > 0.0) {  // the boundary bucket only
           for (int64_t i = 0; i < V; ++i) {
             uint32_t b;
             std::memcpy(&b, &w[i], sizeof b);
@@ -516,7 +524,7 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
           const double target = top_p * zk;
           double acc = mass_above;
           for (int64_t j = 0; j < limit; ++j) {
-            if (above + j > 0 && acc >= target) {  // the smallest prefix reaching top_p (the first always stays)
+            if ((j > 0 || mass_above > 0.0) && acc >= target) {  // the smallest prefix reaching top_p (the first stays)
               kept = j;
               stopped = true;
               break;
@@ -527,7 +535,6 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
         }
         if (!stopped && lowest > 0) {  // the mass fell short of top_p by rounding: take every positive weight
           lowest = 0;
-          above = 0;
           mass_above = 0.0;
           continue;
         }
