@@ -197,7 +197,7 @@ class Sampler:
         torch's cumsum elsewhere: the same indices."""
         probs = probs.float()
         if self.kernels is not None and probs.device.type == "cpu":
-            return self.kernels.sample_rows(probs.contiguous(), u)
+            return self.kernels.sample_rows(_rows_contiguous(probs), u)
         c = probs.double().cumsum(dim=-1)
         total = c[:, -1]
         pick = torch.searchsorted(c, (u.to(c) * total).unsqueeze(1), right=True).squeeze(1)

@@ -321,6 +321,16 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+namespace {
+
+inline bool finite_bits(double x) {  // -ffast-math lets the compiler assume std::isfinite
+  uint64_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return ((bits >> 52) & 0x7ff) != 0x7ff;
+}
+
+}  // namespace
+
 // One categorical draw per row by the inverse CDF: row r's (unnormalised, non-negative, float32) weights summed in
 // double, in index order, and the first index whose running sum exceeds u[r] times the total (u in [0, 1)). A weight of
 // 0 is never drawn (the running sum does not grow there); where rounding leaves no such index the last positive
@@ -346,10 +356,7 @@ torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
         total += row[i];
         if (row[i] > 0.f) last = i;
       }
-      // Non-finite by the exponent's bits: -ffast-math (the build's) lets the compiler assume std::isfinite.
-      uint64_t bits;
-      std::memcpy(&bits, &total, sizeof bits);
-      if (last < 0 || ((bits >> 52) & 0x7ff) == 0x7ff) {
+      if (last < 0 || !finite_bits(total)) {
         op[r] = -1;
         continue;
       }
@@ -370,12 +377,6 @@ torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
 }
 
 namespace {
-
-inline bool finite_bits(double x) {  // -ffast-math lets the compiler assume std::isfinite
-  uint64_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return ((bits >> 52) & 0x7ff) != 0x7ff;
-}
 
 // The order top-k / top-p walk the vocabulary in: logit descending, then index ascending (a torch stable sort's
 // order), as one ascending uint64.
@@ -636,6 +637,35 @@ void logprobs_row(const float* l, int64_t V, int64_t token, int64_t k, float* ch
   for (int64_t j = 0; j < k; ++j) vals[j] = l[ids[j]] - lse;
 }
 
+// The float32 logits [R, V] (contiguous rows) and per-row temperature, top_k, top_p, min_p of sample_logits and
+// filtered_weights, checked (the error names the op and the argument).
+struct FilterArgs {
+  int64_t R, V, ls;
+  const float* x;
+  const float *temperature, *top_p, *min_p;
+  const int64_t* top_k;
+
+  FilterArgs(const char* op, const torch::Tensor& logits, const torch::Tensor& t, const torch::Tensor& k,
+             const torch::Tensor& p, const torch::Tensor& mp) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
+                    logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 32),
+                op, ": logits must be float32 [R, V] with contiguous rows");
+    R = logits.size(0), V = logits.size(1), ls = logits.stride(0);
+    auto check = [&](const torch::Tensor& v, torch::ScalarType dt, const char* name) {
+      TORCH_CHECK(v.dim() == 1 && v.scalar_type() == dt && v.is_contiguous() && v.size(0) == R, op, ": ", name,
+                  " must be a contiguous [R] tensor of ", c10::toString(dt));
+    };
+    check(t, torch::kFloat32, "temperature");
+    check(k, torch::kInt64, "top_k");
+    check(p, torch::kFloat32, "top_p");
+    check(mp, torch::kFloat32, "min_p");
+    x = logits.data_ptr<float>();
+    temperature = t.data_ptr<float>(), top_p = p.data_ptr<float>(), min_p = mp.data_ptr<float>();
+    top_k = k.data_ptr<int64_t>();
+  }
+  const float* row(int64_t r) const { return x + r * ls; }
+};
+
 }  // namespace
 
 // The sampler's whole draw per row on the CPU, from the (adjusted) float32 logits: temperature (0: the argmax), top-k,
@@ -647,28 +677,16 @@ void logprobs_row(const float* l, int64_t V, int64_t token, int64_t k, float* ch
 // k (or the top_p mass), found from a histogram of the weights' exponents.
 torch::Tensor sample_logits(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                             torch::Tensor min_p, torch::Tensor u) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
-                  logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 32),
-              "sample_logits: logits must be float32 [R, V] with contiguous rows");
-  const int64_t R = logits.size(0), V = logits.size(1), ls = logits.stride(0);
-  auto check = [&](const torch::Tensor& t, torch::ScalarType dt, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dt && t.is_contiguous() && t.size(0) == R, "sample_logits: ", name,
-                " must be a contiguous [R] tensor of ", c10::toString(dt));
-  };
-  check(temperature, torch::kFloat32, "temperature");
-  check(top_k, torch::kInt64, "top_k");
-  check(top_p, torch::kFloat32, "top_p");
-  check(min_p, torch::kFloat32, "min_p");
-  check(u, torch::kFloat64, "u");
-  auto out = torch::empty({R}, torch::TensorOptions().dtype(torch::kInt64));
+  const FilterArgs a("sample_logits", logits, temperature, top_k, top_p, min_p);
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == torch::kFloat64 && u.is_contiguous() && u.size(0) == a.R,
+              "sample_logits: u must be a contiguous float64 [R] tensor");
+  auto out = torch::empty({a.R}, torch::TensorOptions().dtype(torch::kInt64));
   int64_t* op = out.data_ptr<int64_t>();
-  const float* x = logits.data_ptr<float>();
-  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
-  const int64_t* kp = top_k.data_ptr<int64_t>();
   const double* up = u.data_ptr<double>();
-  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, a.R, 1, [&](int64_t b, int64_t e) {
     thread_local SampleScratch scratch;
-    for (int64_t r = b; r < e; ++r) op[r] = sample_logits_row(x + r * ls, V, tp[r], kp[r], pp[r], mp[r], up[r], scratch);
+    for (int64_t r = b; r < e; ++r)
+      op[r] = sample_logits_row(a.row(r), a.V, a.temperature[r], a.top_k[r], a.top_p[r], a.min_p[r], up[r], scratch);
   });
   return out;
 }
@@ -678,31 +696,19 @@ torch::Tensor sample_logits(torch::Tensor logits, torch::Tensor temperature, tor
 // cannot draw is NaN.
 torch::Tensor filtered_weights(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                                torch::Tensor top_p, torch::Tensor min_p) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 &&
-                  logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 32),
-              "filtered_weights: logits must be float32 [R, V] with contiguous rows");
-  const int64_t R = logits.size(0), V = logits.size(1), ls = logits.stride(0);
-  auto check = [&](const torch::Tensor& t, torch::ScalarType dt, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.scalar_type() == dt && t.is_contiguous() && t.size(0) == R, "filtered_weights: ",
-                name, " must be a contiguous [R] tensor of ", c10::toString(dt));
-  };
-  check(temperature, torch::kFloat32, "temperature");
-  check(top_k, torch::kInt64, "top_k");
-  check(top_p, torch::kFloat32, "top_p");
-  check(min_p, torch::kFloat32, "min_p");
-  auto out = torch::empty({R, V}, torch::TensorOptions().dtype(torch::kFloat32));
+  const FilterArgs a("filtered_weights", logits, temperature, top_k, top_p, min_p);
+  const int64_t V = a.V;
+  auto out = torch::empty({a.R, V}, torch::TensorOptions().dtype(torch::kFloat32));
   float* op = out.data_ptr<float>();
-  const float* x = logits.data_ptr<float>();
-  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
-  const int64_t* kp = top_k.data_ptr<int64_t>();
-  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, a.R, 1, [&](int64_t b, int64_t e) {
     thread_local SampleScratch scratch;
     for (int64_t r = b; r < e; ++r) {
       float* w = op + r * V;
-      if (tp[r] == 0.f) {
+      if (a.temperature[r] == 0.f) {
         std::fill(w, w + V, 0.f);
-        w[argmax_row<float>(x + r * ls, V)] = 1.f;
-      } else if (!filtered_weights_row(x + r * ls, V, tp[r], kp[r], pp[r], mp[r], w, scratch)) {
+        w[argmax_row<float>(a.row(r), V)] = 1.f;
+      } else if (!filtered_weights_row(a.row(r), V, a.temperature[r], a.top_k[r], a.top_p[r], a.min_p[r], w,
+                                       scratch)) {
         std::fill(w, w + V, std::numeric_limits<float>::quiet_NaN());
       }
     }
