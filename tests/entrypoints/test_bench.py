@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+from fastapi import Request
 from live_server import start_server
 
 from pagedserve.entrypoints.cli.bench import random_prompts, run_serve
@@ -104,3 +105,71 @@ def test_bench_serve_against_a_live_server(tmp_path):
     for key in ("ttft_s_p50", "ttft_s_p99", "tpot_s_mean", "itl_s_p90", "output_tokens_per_s"):
         assert r[key] > 0, key
     assert r["ttft_s_p50"] <= r["ttft_s_p99"]
+
+
+def test_bench_serve_opens_every_stream_it_is_asked_for():
+    """128 prompts at once are 128 concurrent streams at the server (httpx's default pool had capped them at
+    100: the other 28 waited for the first ones to finish, and `bench serve` measured a smaller batch than
+    asked); --max-concurrency still caps them."""
+    import asyncio
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+    from live_server import free_port
+
+    app = FastAPI()
+    state = {"open": 0, "peak": 0, "target": 0, "all_open": None}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return ""
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):  # (Request: imported at module level, for FastAPI to resolve)
+        await request.json()
+        state["open"] += 1
+        state["peak"] = max(state["peak"], state["open"])
+        if state["open"] >= state["target"]:
+            state["all_open"].set()
+        try:  # each stream waits until `target` of them are open at once (or gives up after a while)
+            await asyncio.wait_for(state["all_open"].wait(), 10)
+        except TimeoutError:
+            pass
+
+        async def body():
+            try:
+                chunk = {"choices": [{"index": 0, "text": "x"}]}
+                for _ in range(2):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                state["open"] -= 1
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        results = {}
+        for prompts, concurrency in ((128, None), (12, 5)):
+            state.update(peak=0, target=concurrency or prompts, all_open=asyncio.Event())
+            args = argparse.Namespace(base_url=f"http://127.0.0.1:{port}", served_model="m", api_key=None,
+                                      num_prompts=prompts, input_len=4, output_len=2, seed=0,
+                                      request_rate=float("inf"), max_concurrency=concurrency)
+            results[prompts] = (run_serve(args), state["peak"])
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    r, peak = results[128]
+    assert r["completed"] == 128 and r["failed"] == 0 and peak == 128
+    r, peak = results[12]
+    assert r["completed"] == 12 and r["failed"] == 0 and peak == 5

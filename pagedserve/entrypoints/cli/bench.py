@@ -521,7 +521,10 @@ async def _serve_load(args) -> dict:
             results.append(await _one_stream(client, url, body, headers, drop))
 
     start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=None) as client:
+    # httpx pools at most 100 connections by default: past that, streams would queue in the client and the
+    # server would see fewer concurrent requests than asked for. No limit here but --max-concurrency.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         tasks = []
         i = 0
         # A fixed number of prompts, or (with --duration) new requests until the time is up.
