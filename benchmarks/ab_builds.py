@@ -1,7 +1,7 @@
 """W1, W2 or W3 on two builds of the C++ extension in ONE process, alternating, so that a noisy host's drift falls on
 both alike (these machines vary by up to 1.7x within minutes).
 
-    python benchmarks/ab_builds.py A.so B.so --workload W2 --reps 6
+    python benchmarks/ab_builds.py A.so B.so --workload W2 --reps 6 [--input-len 32] [--model M]
 
 A.so / B.so: extension builds, e.g. ~/.cache/torch_extensions/py311_cpu/pagedserve_cpu_<hash>/pagedserve_cpu_<hash>.so
 of two commits (an older commit's build: `git worktree add /tmp/old <commit>` and import pagedserve from there once).
@@ -64,7 +64,9 @@ def run_w2(engine: LLMEngine, prompt: list[int], tag: str) -> float:
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    return (len(times) - 1) / sum(times[1:])  # decode steps only (the first step is the prefill)
+    budget = engine.config.max_num_batched_tokens
+    prefill = -(-len(prompt) // budget)  # decode steps only (a long prompt's prefill takes several chunks)
+    return (len(times) - prefill) / sum(times[prefill:])
 
 
 def main() -> None:
@@ -74,6 +76,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=("W1", "W2", "W3"), default="W2")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--input-len", type=int, default=32,
+                    help="W2's prompt length (e.g. 6144: decode at a long context)")
     args = ap.parse_args()
     engines = []
     for path in (args.a, args.b):
@@ -89,7 +93,7 @@ def main() -> None:
             elif args.workload == "W3":
                 figures[i].append(run_w3(engine, random_prompts(16, 1024, 0), f"r{rep}"))
             else:
-                figures[i].append(run_w2(engine, random_prompts(1, 32, rep)[0], f"r{rep}"))
+                figures[i].append(run_w2(engine, random_prompts(1, args.input_len, rep)[0], f"r{rep}"))
         print(f"rep {rep}: A {figures[0][-1]:.1f}  B {figures[1][-1]:.1f} {unit}", flush=True)
     a, b = statistics.median(figures[0]), statistics.median(figures[1])
     print(f"{args.workload} median: A {a:.1f}  B {b:.1f} {unit}  B/A {b / a:.3f}")

@@ -3,6 +3,7 @@ perf_counter_ns around a handful of calls, no profiler), then per kind of step (
 mean time of the step, of the model's forward, of its C++ decode stack and LM head, and of the Python around them.
 
     python benchmarks/step_times.py [--workload W1|W2|W3] [--int8-activations] [--dtype auto] [--model M] [--reps 1]
+                                    [--input-len N] [--output-len N]
 
 (An AVX2-only CPU emulated: PAGEDSERVE_CPU_ARCH=x86-64-v3 ... --dtype float32.)
 
@@ -29,8 +30,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", default=None, help="default: the bundled model")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=None, help="the workload's prompt length instead (e.g. W2 at a "
+                    "long context)")
+    ap.add_argument("--output-len", type=int, default=None)
     args = ap.parse_args()
     num, input_len, output_len = {"W1": (128, 128, 128), "W2": (1, 32, 256), "W3": (16, 1024, 1)}[args.workload]
+    input_len = args.input_len or input_len
+    output_len = args.output_len or output_len
     llm = LLM(model=args.model, int8_activations=args.int8_activations, dtype=args.dtype)
     eng = llm.engine
     cur: dict[str, int] = defaultdict(int)

@@ -255,6 +255,39 @@ def test_paged_decode_attention_sliding_window(kernels, dtype, H, KVH, D, BS):
         kernels.paged_decode_attention(q, kc, vc, tables, lens, no_rows, out, scale, -1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize(("H", "KVH", "D", "BS"), [(9, 3, 64, 16), (4, 1, 256, 16), (6, 2, 32, 8)])
+def test_paged_decode_attention_long_contexts(kernels, dtype, H, KVH, D, BS):
+    """Where a batch has few tasks (one sequence: KVH tasks), the AVX-512 kernel splits each sequence of 1,024 keys
+    or more into partitions of whole cache blocks, attends to each alone and combines them (split-K). Single
+    sequences of contexts under, at and past the split points, several thousand keys, a window whose first key lies
+    inside a partition, 600 keys (split in 256-key partitions where one kv head leaves a thread idle): against the
+    reference and the batch's result (split too where it has few tasks)."""
+    g = torch.Generator().manual_seed(H + D + BS)
+    lens = torch.tensor([1023, 1024, 1025, 1535, 3001, 40, 600, 4100])
+    B = len(lens)
+    width = -(-int(lens.max()) // BS)
+    nb = B * width + 1
+    tables = torch.randperm(nb, generator=g)[: B * width].view(B, width).contiguous()
+    kc = torch.randn(nb, BS, KVH, D, generator=g).to(dtype)
+    vc = torch.randn(nb, BS, KVH, D, generator=g).to(dtype)
+    q = (torch.randn(B, H, D, generator=g) * 3).to(dtype)  # peaked softmaxes: outputs of order 1, not ~0
+    scale = D**-0.5
+    no_rows = torch.empty(0, dtype=torch.long)
+    for window in (0, 1500):
+        out = torch.empty(B, H, D, dtype=dtype)
+        kernels.paged_decode_attention(q, kc, vc, tables, lens, no_rows, out, scale, window)
+        ref = ref_decode(q, kc, vc, tables, lens, scale, window or None)
+        assert close(out, ref, dtype), window
+        assert (out.float() - ref).norm() / ref.norm() < (1e-5 if dtype == torch.float32 else 5e-3)
+        for b in range(B):
+            one = torch.empty(1, H, D, dtype=dtype)
+            kernels.paged_decode_attention(q[b : b + 1], kc, vc, tables[b : b + 1], lens[b : b + 1], no_rows, one,
+                                           scale, window)
+            assert close(one[0], ref[b], dtype) and close(one[0], out[b], dtype), (window, b)
+            assert (one[0].float() - ref[b]).norm() / ref[b].norm() < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
 def test_paged_decode_attention_rejects_bad_tables(kernels):
     lens, tables, kc, vc, _ = paged_setup(3, 4, 2, 32, 4, torch.float32, seed=0)
     q = torch.randn(3, 4, 32)

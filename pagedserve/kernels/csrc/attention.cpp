@@ -30,8 +30,9 @@
 
 namespace pagedserve {
 
-// Exact softmax of S scores in place, max-subtracted, float32.
-inline void softmax_inplace(float* r, int64_t S) {
+// Exact softmax of S scores in place, max-subtracted, float32; stats (if given) gets the max and the sum of the
+// exponentials.
+inline void softmax_inplace(float* r, int64_t S, float* stats = nullptr) {
   float m = r[0];  // a real score, not -inf: the kernels are built with -ffast-math (vector expf)
   for (int64_t j = 1; j < S; ++j) m = std::max(m, r[j]);
   float sum = 0.f;
@@ -43,6 +44,10 @@ inline void softmax_inplace(float* r, int64_t S) {
   const float inv = 1.f / sum;
 #pragma omp simd
   for (int64_t j = 0; j < S; ++j) r[j] *= inv;
+  if (stats) {
+    stats[0] = m;
+    stats[1] = sum;
+  }
 }
 
 // A sliding window (window > 0): a sequence of S keys sees keys S - window .. S - 1 only. The decode kernels start
@@ -389,9 +394,9 @@ void scores_pass(const float* qf, const SC* kc, const int64_t* table, int64_t S,
 }
 
 // out_g[c : c + 16 * NV] = sum_j p_g[j] * v_j[c : c + 16 * NV], accumulated in registers.
-template <int G, int NV, typename SC, typename SQ>
+template <int G, int NV, typename SC, typename SO>
 void pv_chunk(const float* sc, const SC* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row, int64_t D,
-              int64_t c, SQ* out) {
+              int64_t c, SO* out) {
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < NV; ++k) acc[g][k] = _mm512_setzero_ps();
@@ -492,9 +497,9 @@ void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
 // 2t + 1 (one cache block: BS is even) interleaved into (v_2t[d], v_2t+1[d]) pairs of 16 d per register (vpermt2w),
 // then one vdpbf16ps per 16 d adds both keys' products for a head (a key past S: p = 0 and v = 0). About a third of
 // the instructions of pv_chunk's float32 path (which widens each V row and runs one FMA per key and 16 d).
-template <int G>
+template <int G, typename SO>
 void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
-                   int64_t D, uint16_t* out, std::vector<uint32_t>& pairs) {
+                   int64_t D, SO* out, std::vector<uint32_t>& pairs) {
   const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
   pairs.resize(G * pstride + 16);
   auto lanes = [](int64_t n) {  // the first n lanes (none for n <= 0, all 16 from n >= 16)
@@ -599,10 +604,13 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
 
 #endif
 
-template <int G, typename SC, typename SQ>
+// One task's attention: G query heads of one kv head over S keys from `table` (the first `skip` masked). out: G
+// rows of D (SO: the query's dtype, or float32 for a partition of a split sequence, whose softmax's max and sum
+// per head go to stats[2 g], stats[2 g + 1]).
+template <int G, typename SC, typename SQ, typename SO>
 void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, const SC* vc, const int64_t* table,
-                  int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SQ* out,
-                  [[maybe_unused]] bool tiles, int64_t skip) {
+                  int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SO* out,
+                  [[maybe_unused]] bool tiles, int64_t skip, float* stats) {
   sc.resize(G * S + 16);
   bool done = false;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
@@ -626,7 +634,7 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
 #endif
   if (!done) scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data());
   mask_skipped(sc.data(), G, S, skip);
-  for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S);
+  for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S, stats ? stats + 2 * g : nullptr);
 #ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
     if (D % 64 == 0 && BS % 2 == 0) {
@@ -647,6 +655,49 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
   }
 }
 
+// G (1 .. kMaxGroupChunk) as a template argument.
+template <typename SC, typename SQ, typename SO>
+void attend_group(int64_t G, const float* qf, const SQ* qs, float scale, const SC* k, const SC* v,
+                  const int64_t* table, int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SO* o,
+                  bool tiles, int64_t skip, float* stats) {
+  switch (G) {
+    case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+    case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+    case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+    case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+    case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+    case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+    case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+    default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+  }
+}
+
+// A batch of fewer tasks than two per thread (one sequence: KVH * chunks tasks, 3 for SmolLM2, 1 for Gemma 3) cannot
+// keep the threads busy over a long context; there each sequence of 1,024 keys or more is split into partitions of
+// whole cache blocks, ~kPartKeys keys each (flash-decoding's split-K): a task is then one (sequence, partition, kv
+// head, group chunk), its softmax and P.V over the partition alone (float32 out, with the partition's max and sum
+// per head), and a head's partitions are combined at the end, each weighted by its sum times e^(its max - the
+// overall max). Where the batch has tasks enough nothing is split: every partition's first keys arrive cold (random
+// blocks), which cost more than the balance gains there, as do partitions of fewer keys. So a split sequence's bits
+// depend on the batch and the thread count (as the matmuls' routes do); the strict mode (batch_invariant) runs its
+// own row kernel.
+// Where a thread would have no task at all (Gemma 3's one kv head), partitions of kMinPartKeys keys are taken as well
+// (its sliding layers' 512-key windows).
+constexpr int64_t kSplitTasksPerThread = 2;
+constexpr int64_t kPartKeys = 512, kMinPartKeys = 256;
+
+// Partitions for S keys when the batch has `tasks` tasks on `threads` threads; keys per partition in *keys.
+inline int64_t decode_parts(int64_t S, int64_t BS, int64_t tasks, int64_t threads, int64_t* keys) {
+  int64_t want = S / kPartKeys;
+  if (tasks < threads) want = std::max(want, std::min((kSplitTasksPerThread * threads + tasks - 1) / tasks,
+                                                      S / kMinPartKeys));
+  const int64_t nb = (S + BS - 1) / BS;
+  if (tasks >= kSplitTasksPerThread * threads || want < 2 || nb < 2) return 1;
+  const int64_t per = (nb + want - 1) / want;  // blocks per partition
+  *keys = per * BS;
+  return (nb + per - 1) / per;
+}
+
 template <typename SC, typename SQ>
 void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC* kc, const SC* vc,
                    const int64_t* block_tables, int64_t bt_stride, const int64_t* seq_lens, SQ* out,
@@ -660,7 +711,29 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
   use_tiles = std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && D == 64 && BS % 16 == 0 &&
               amx_active();
 #endif
-  at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
+  // The (sequence, partition) pairs in order; a sequence split into P > 1 partitions owns the partial results
+  // first_part[b] .. + P - 1 (-1: not split, written straight into out).
+  std::vector<WindowSpan> spans(B);
+  std::vector<int64_t> first_part(B, -1), parts(B, 1), per_part(B, 0), pair_b, pair_p;
+  pair_b.reserve(B);
+  pair_p.reserve(B);
+  int64_t nsplit = 0;
+  const int64_t tasks = B * KVH * chunks, threads = at::get_num_threads();
+  for (int64_t b = 0; b < B; ++b) {
+    spans[b] = window_span(block_tables + b * bt_stride, seq_lens[b], BS, window);
+    const int64_t P = parts[b] = decode_parts(spans[b].S, BS, tasks, threads, &per_part[b]);
+    if (P > 1) {  // per_part[b] keys per partition (the last may have fewer)
+      first_part[b] = nsplit;
+      nsplit += P;
+    }
+    for (int64_t p = 0; p < P; ++p) {
+      pair_b.push_back(b);
+      pair_p.push_back(p);
+    }
+  }
+  const int64_t npairs = static_cast<int64_t>(pair_b.size());
+  std::vector<float> part_out(nsplit * H * D), part_stats(nsplit * H * 2);
+  at::parallel_for(0, npairs * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> sc;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
     amx::Tiles tiles;
@@ -668,28 +741,55 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
 #endif
     alignas(64) float qf[kMaxGroupChunk * kMaxHeadDim];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (KVH * chunks), kvh = (item / chunks) % KVH, ch = item % chunks;
+      const int64_t pair = item / (KVH * chunks), kvh = (item / chunks) % KVH, ch = item % chunks;
+      const int64_t b = pair_b[pair], p = pair_p[pair];
       const int64_t h0 = kvh * group + ch * kMaxGroupChunk;
       const int64_t G = std::min(kMaxGroupChunk, group - ch * kMaxGroupChunk);
       const int64_t r = rows ? rows[b] : b;
       const SQ* qs = q + r * q_stride + h0 * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = Elem<SQ>::load(qs[i]) * scale;
-      const WindowSpan span = window_span(block_tables + b * bt_stride, seq_lens[b], BS, window);
-      const int64_t* table = span.table;
-      const int64_t S = span.S;
-      SQ* o = out + (r * H + h0) * D;
+      const WindowSpan& span = spans[b];
       const SC* k = kc + kvh * D;
       const SC* v = vc + kvh * D;
-      switch (G) {
-        case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
-        case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
-        case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
-        case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
-        case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
-        case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
-        case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
-        default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, use_tiles, span.skip); break;
+      if (first_part[b] < 0) {
+        attend_group(G, qf, qs, scale, k, v, span.table, span.S, BS, row, D, sc, out + (r * H + h0) * D, use_tiles,
+                     span.skip, static_cast<float*>(nullptr));
+      } else {
+        const int64_t k0 = p * per_part[b], part = first_part[b] + p;
+        attend_group(G, qf, qs, scale, k, v, span.table + k0 / BS, std::min(per_part[b], span.S - k0), BS, row, D,
+                     sc, part_out.data() + (part * H + h0) * D, use_tiles, p == 0 ? span.skip : 0,
+                     part_stats.data() + (part * H + h0) * 2);
       }
+    }
+  });
+  if (nsplit == 0) return;
+  // Each split sequence's heads: out = sum_p w_p o_p / sum_p w_p, w_p = sum_p e^(max_p - max).
+  std::vector<int64_t> split;
+  for (int64_t b = 0; b < B; ++b)
+    if (first_part[b] >= 0) split.push_back(b);
+  at::parallel_for(0, static_cast<int64_t>(split.size()) * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w, acc(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = split[item / H], h = item % H;
+      const int64_t P = parts[b], p0 = first_part[b];
+      float m = part_stats[(p0 * H + h) * 2];
+      for (int64_t p = 1; p < P; ++p) m = std::max(m, part_stats[((p0 + p) * H + h) * 2]);
+      w.resize(P);
+      float total = 0.f;
+      for (int64_t p = 0; p < P; ++p) {
+        const float* st = part_stats.data() + ((p0 + p) * H + h) * 2;
+        w[p] = st[1] * expf(st[0] - m);
+        total += w[p];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < P; ++p) {
+        const float wp = w[p] / total;
+        const float* o = part_out.data() + ((p0 + p) * H + h) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += wp * o[d];
+      }
+      SQ* dst = out + ((rows ? rows[b] : b) * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = Elem<SQ>::store(acc[d]);
     }
   });
 }
