@@ -394,35 +394,34 @@ struct SampleScratch {
   std::vector<double> block;
 };
 
-// Weights w in [0, 1] by binary exponent (biased exponent 0..127; 0 holds zeros and subnormals): how many (C) and
-// their sum in double (M). Several tables, one per lane: consecutive weights mostly share an exponent, and one
-// table's updates would wait on each other (eight lanes for counts alone, four with sums: measured fastest).
-template <bool C, bool M>
-void exponent_histogram(const float* w, int64_t V, int64_t* count, double* mass) {
-  constexpr int L = M ? 4 : 8;
-  int32_t cnt[L][128] = {};
-  double sum[L][128] = {};
-  auto add = [&](int l, float x) {
-    uint32_t b;
-    std::memcpy(&b, &x, sizeof b);
-    const uint32_t e = std::min<uint32_t>(b >> 23, 127);
-    if constexpr (C) ++cnt[l][e];
-    if constexpr (M) sum[l][e] += x;
-  };
-  int64_t i = 0;
-  for (; i + L <= V; i += L)
-    for (int l = 0; l < L; ++l) add(l, w[i + l]);
-  for (; i < V; ++i) add(0, w[i]);
-  for (int e = 0; e < 128; ++e) {
-    int64_t c = 0;
-    double m = 0.0;
-    for (int l = 0; l < L; ++l) {
-      c += cnt[l][e];
-      m += sum[l][e];
+// How many of the weights are >= tau, and their sum in double (one vectorised pass).
+inline void weights_above(const float* w, int64_t V, float tau, int64_t* count, double* mass) {
+  int64_t c = 0;
+  double m = 0.0;
+  int64_t i0 = 0;
+#ifdef PAGEDSERVE_AVX512
+  {  // (GCC does not vectorise the loop below: an int64 and a double sum of float loads)
+    const __m512 t = _mm512_set1_ps(tau);
+    __m512d m0 = _mm512_setzero_pd(), m1 = _mm512_setzero_pd();
+    for (; i0 + 16 <= V; i0 += 16) {
+      const __m512 x = _mm512_loadu_ps(w + i0);
+      const __mmask16 a = _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ);
+      if (!a) continue;
+      c += __builtin_popcount(static_cast<unsigned>(a));
+      m0 = _mm512_mask_add_pd(m0, static_cast<__mmask8>(a), m0, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+      m1 = _mm512_mask_add_pd(m1, static_cast<__mmask8>(a >> 8), m1,
+                              _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
     }
-    count[e] = c;
-    mass[e] = m;
+    m = _mm512_reduce_add_pd(_mm512_add_pd(m0, m1));
   }
+#endif
+  for (int64_t i = i0; i < V; ++i) {
+    const bool a = w[i] >= tau;
+    c += a ? 1 : 0;
+    m += a ? static_cast<double>(w[i]) : 0.0;
+  }
+  *count = c;
+  *mass = m;
 }
 
 // One row's weights after temperature (> 0) and the filters into w[0:V]: exp((l - max) / T) where kept, 0 elsewhere.
@@ -444,64 +443,51 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
   bool cut = false;
   uint64_t last_kept = 0;  // with cut: the largest kept rank_key
   if (k < V || top_p < 1.0) {
-    // Weights by binary exponent (w in [0, 1]: biased exponent 0..127; 0 holds zeros and subnormals): the highest
-    // power of two that holds the top k, or the top_p mass, bounds the candidates that need sorting.
-    int64_t count[128] = {};
-    double mass[128] = {};
-    if (k < V) {
-      if (top_p < 1.0) exponent_histogram<true, true>(w, V, count, mass);
-      else exponent_histogram<true, false>(w, V, count, mass);
-    } else {
-      exponent_histogram<false, true>(w, V, count, mass);
-    }
+    const float tiny = std::numeric_limits<float>::denorm_min();
+    int64_t npos = 0;  // the positive weights, and their sum
     double z = 0.0;
-    for (int e = 0; e < 128; ++e) z += mass[e];
-    int64_t npos = V;  // only compared with k, which is V without top-k
-    if (k < V) {
-      npos = 0;
-      for (int e = 1; e < 128; ++e) npos += count[e];
-      for (int64_t i = 0; i < V && count[0] > 0; ++i)  // subnormal weights count as positive
-        npos += (w[i] > 0.f && w[i] < std::numeric_limits<float>::min());
-    }
+    weights_above(w, V, tiny, &npos, &z);
     const bool k_cuts = k < npos;
     if (k_cuts || top_p < 1.0) {
-      // Candidates: weights >= 2^(lowest - 127), or every positive weight when lowest is 0. With top-p alone, only
-      // the bucket where the mass reaches top_p: the weights of the buckets above it (their sum `mass_above`, > 0
-      // where there are any) all stay and rank before it.
-      int lowest = 0;
-      double mass_above = 0.0;
-      {
+      // Candidates: the weights >= tau for the largest tau = 2^-e (e = 0 .. 120: w is in [0, 1]) above which lie
+      // the top k, or the top_p mass, else every positive weight; only they are ranked. e is found by counting
+      // passes: steps of 2^-8 (most rows stop at the first or second), then bisection inside the step.
+      auto enough = [&](int e) {
         int64_t c = 0;
         double mm = 0.0;
-        for (int e = 127; e >= 1; --e) {
-          if (k_cuts ? c + count[e] >= k : mm + mass[e] >= top_p * z) {
-            lowest = e;
-            if (!k_cuts) mass_above = mm;
-            break;
-          }
-          c += count[e];
-          mm += mass[e];
+        weights_above(w, V, std::ldexp(1.f, -e), &c, &mm);
+        return k_cuts ? c >= k : mm >= top_p * z;
+      };
+      float tau = tiny;
+      int hi = -1;  // enough(hi)
+      for (int e = 8; e <= 120; e += 8)
+        if (enough(e)) {
+          hi = e;
+          break;
         }
+      if (hi >= 0) {
+        int lo = hi - 8;  // not enough(lo), or lo = 0 untried
+        if (lo == 0 && enough(0)) hi = 0;
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) / 2;
+          (enough(mid) ? hi : lo) = mid;
+        }
+        tau = std::ldexp(1.f, -hi);
       }
       for (;;) {
-        float tau = std::numeric_limits<float>::denorm_min();  // lowest 0: every positive weight
-        if (lowest > 0) {
-          const uint32_t tb = static_cast<uint32_t>(lowest) << 23;
-          std::memcpy(&tau, &tb, sizeof tau);
-        }
         s.cand.resize(V);
         uint64_t* c = s.cand.data();
-        int64_t n = 0;
-        if (mass_above > 0.0) {  // the boundary bucket only
-          for (int64_t i = 0; i < V; ++i) {
-            uint32_t b;
-            std::memcpy(&b, &w[i], sizeof b);
-            if (static_cast<int>(b >> 23) == lowest) c[n++] = rank_key(row[i], i);
+        int64_t n = 0, i = 0;
+#ifdef PAGEDSERVE_AVX512
+        const __m512 tv = _mm512_set1_ps(tau);
+        for (; i + 16 <= V; i += 16)  // 16 weights per compare; most hold no candidate
+          for (uint32_t a = _mm512_cmp_ps_mask(_mm512_loadu_ps(w + i), tv, _CMP_GE_OQ); a; a &= a - 1) {
+            const int64_t j = i + __builtin_ctz(a);
+            c[n++] = rank_key(row[j], j);
           }
-        } else {
-          for (int64_t i = 0; i < V; ++i)
-            if (w[i] >= tau) c[n++] = rank_key(row[i], i);
-        }
+#endif
+        for (; i < V; ++i)
+          if (w[i] >= tau) c[n++] = rank_key(row[i], i);
         int64_t sorted = 0;
         auto sort_upto = [&](int64_t upto) {  // c[0:upto) in order (chunks: a select, then a sort)
           while (sorted < upto) {
@@ -523,9 +509,9 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
         bool stopped = k_cuts;  // the top k are all candidates
         if (top_p < 1.0) {
           const double target = top_p * zk;
-          double acc = mass_above;
+          double acc = 0.0;
           for (int64_t j = 0; j < limit; ++j) {
-            if ((j > 0 || mass_above > 0.0) && acc >= target) {  // the smallest prefix reaching top_p (the first stays)
+            if (j > 0 && acc >= target) {  // the smallest prefix reaching top_p (the first stays)
               kept = j;
               stopped = true;
               break;
@@ -533,10 +519,10 @@ bool filtered_weights_row(const float* row, int64_t V, float temperature, int64_
             if (j == sorted) sort_upto(j + 1);
             acc += weight(j);
           }
+          if (!stopped && acc >= target) stopped = true;  // the smallest prefix is every candidate
         }
-        if (!stopped && lowest > 0) {  // the mass fell short of top_p by rounding: take every positive weight
-          lowest = 0;
-          mass_above = 0.0;
+        if (!stopped && tau > tiny) {  // the mass fell short of top_p by rounding: take every positive weight
+          tau = tiny;
           continue;
         }
         sort_upto(kept);
@@ -674,7 +660,7 @@ struct FilterArgs {
 // top-k keeps the first k in (logit descending, index ascending) order, top-p the smallest prefix of the top k whose
 // share of their mass reaches top_p (the first always stays), min-p the weights >= min_p times the largest. Only the
 // candidates a top-k / top-p cut can reach are sorted: those at or above the highest power of two that holds the top
-// k (or the top_p mass), found from a histogram of the weights' exponents.
+// k (or the top_p mass), found by vectorised counting passes.
 torch::Tensor sample_logits(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
                             torch::Tensor min_p, torch::Tensor u) {
   const FilterArgs a("sample_logits", logits, temperature, top_k, top_p, min_p);
