@@ -19,18 +19,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(app, **config) -> tuple[GracefulServer, threading.Thread, str]:
-    """Run `app` on 127.0.0.1 at a free port; returns once it accepts connections."""
-    port = free_port()
-    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config),
-                            app.state.async_engine)
+def run_in_thread(server: uvicorn.Server) -> threading.Thread:
+    """Run a uvicorn server in a daemon thread; returns once it accepts connections."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
     while not server.started:
         assert thread.is_alive() and time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
+        time.sleep(0.02)
+    return thread
+
+
+def start_server(app, **config) -> tuple[GracefulServer, threading.Thread, str]:
+    """Run `app` (a pagedserve app) on 127.0.0.1 at a free port; returns once it accepts connections."""
+    port = free_port()
+    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config),
+                            app.state.async_engine)
+    return server, run_in_thread(server), f"http://127.0.0.1:{port}"
 
 
 def stream_text(url: str, body: dict, headers: dict | None = None) -> str:

@@ -112,13 +112,11 @@ def test_bench_serve_opens_every_stream_it_is_asked_for():
     100: the other 28 waited for the first ones to finish, and `bench serve` measured a smaller batch than
     asked); --max-concurrency still caps them."""
     import asyncio
-    import threading
-    import time
 
     import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import PlainTextResponse, StreamingResponse
-    from live_server import free_port
+    from live_server import free_port, run_in_thread
 
     app = FastAPI()
     state = {"open": 0, "peak": 0, "target": 0, "all_open": None}
@@ -152,12 +150,7 @@ def test_bench_serve_opens_every_stream_it_is_asked_for():
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "server did not start"
-        time.sleep(0.02)
+    thread = run_in_thread(server)
     try:
         results = {}
         for prompts, concurrency in ((128, None), (12, 5)):

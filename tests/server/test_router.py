@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from live_server import free_port, stream_text
+from live_server import free_port, run_in_thread, stream_text
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.engine import LLMEngine
@@ -136,16 +136,6 @@ def test_events_end_and_bad_urls_and_the_command_line():
 
 
 # ---- servers in threads --------------------------------------------------------------------------------
-def _run(server: uvicorn.Server) -> threading.Thread:
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    return thread
-
-
 class Backends:
     """Two pagedserve servers over two engines; a stopped one can be started again on its port."""
 
@@ -163,7 +153,7 @@ class Backends:
         config = uvicorn.Config(app, host="127.0.0.1", port=self.ports[i], log_level="warning",
                                 timeout_graceful_shutdown=5)
         server = GracefulServer(config, app.state.async_engine, shutdown_timeout_s=5)
-        self.servers[i] = (server, _run(server))
+        self.servers[i] = (server, run_in_thread(server))
 
     def stop(self, i: int) -> None:
         if self.servers[i] is not None:
@@ -202,7 +192,7 @@ def router_at(urls: list[str], **kw) -> Iterator[tuple[str, Router]]:
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
-    thread = _run(server)
+    thread = run_in_thread(server)
     try:
         yield f"http://127.0.0.1:{port}", app.state.router
     finally:
@@ -430,7 +420,7 @@ def _fake_backend(name: str, busy: bool = False) -> FastAPI:
 def fakes(*apps: FastAPI) -> Iterator[list[str]]:
     servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="critical"))
                for app in apps]
-    threads = [_run(server) for server in servers]
+    threads = [run_in_thread(server) for server in servers]
     try:
         yield [f"http://127.0.0.1:{server.config.port}" for server in servers]
     finally:
