@@ -44,7 +44,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [meta.num_rows, vocab], float32 (the model's head returns float32 in every dtype). The
         logprobs are those of the model's logits, before any mask or penalty (vLLM's raw logprobs)."""
-        if self.kernels is not None and logits.device.type == "cpu" and meta.all_plain_greedy:
+        if self._kernels_for(logits) and meta.all_plain_greedy:
             # Greedy with nothing to adjust or report: argmax straight on the model's (masked) logits.
             self._apply_token_mask(logits, meta)
             return SamplerOutput(_in_vocab(self.kernels.argmax_rows(logits).tolist(), logits.shape[1]),
@@ -52,7 +52,7 @@ class Sampler:
         raw, logits = self.adjust(logits, meta)
         if meta.all_greedy:
             tokens = logits.argmax(dim=-1)
-        elif self.kernels is not None and logits.device.type == "cpu":
+        elif self._kernels_for(logits):
             tokens = self._sample_cpu(logits, meta)
         else:
             drawn = self._draw(self.probs(logits, meta), meta.generators)
@@ -76,11 +76,15 @@ class Sampler:
     def probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The distribution each row draws from: temperature, then top-k / top-p / min-p (on the CPU the C++ kernel's
         weights, those `sample_logits` draws from, normalised)."""
-        if self.kernels is not None and logits.device.type == "cpu":
+        if self._kernels_for(logits):
             temperature, top_k, top_p, min_p = self._filter_args(meta)
             w = self.kernels.filtered_weights(_rows_contiguous(logits.float()), temperature, top_k, top_p, min_p)
             return w / self._rows(lambda r: r.sum(dim=-1, keepdim=True), w)
         return self._softmax(self._filter(logits / meta.temperature, meta))
+
+    def _kernels_for(self, x: torch.Tensor) -> bool:
+        """Whether the C++ kernels take this tensor's work (built, and x on the CPU)."""
+        return self.kernels is not None and x.device.type == "cpu"
 
     @staticmethod
     def _filter_args(meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,7 +200,7 @@ class Sampler:
         drew one random number per vocabulary entry: 0.7 s per step for 128 rows of a 262,144-token vocabulary),
         torch's cumsum elsewhere: the same indices."""
         probs = probs.float()
-        if self.kernels is not None and probs.device.type == "cpu":
+        if self._kernels_for(probs):
             return self.kernels.sample_rows(_rows_contiguous(probs), u)
         c = probs.double().cumsum(dim=-1)
         total = c[:, -1]
@@ -214,7 +218,7 @@ class Sampler:
         if not rows:
             return result
         k = max(num_logprobs[i] for i in rows)
-        if self.kernels is not None and raw.device.type == "cpu":  # per row in C++: no [rows, vocab] log-softmax
+        if self._kernels_for(raw):  # per row in C++: no [rows, vocab] log-softmax
             chosen, rank, top_ids, top_vals = (t.tolist() for t in self.kernels.logprobs_rows(
                 _rows_contiguous(raw.float()), torch.tensor(rows), torch.tensor([tokens[i] for i in rows]),
                 min(max(k, 1), raw.shape[1])))

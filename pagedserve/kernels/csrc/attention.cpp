@@ -680,19 +680,19 @@ void attend_group(int64_t G, const float* qf, const SQ* qs, float scale, const S
 // overall max). Where the batch has tasks enough nothing is split: every partition's first keys arrive cold (random
 // blocks), which cost more than the balance gains there, as do partitions of fewer keys. So a split sequence's bits
 // depend on the batch and the thread count (as the matmuls' routes do); the strict mode (batch_invariant) runs its
-// own row kernel.
-// Where a thread would have no task at all (Gemma 3's one kv head), partitions of kMinPartKeys keys are taken as well
-// (its sliding layers' 512-key windows).
+// own row kernel. Where a thread would have no task at all (Gemma 3's one kv head), partitions of kMinPartKeys keys
+// are taken as well (its sliding layers' 512-key windows).
 constexpr int64_t kSplitTasksPerThread = 2;
 constexpr int64_t kPartKeys = 512, kMinPartKeys = 256;
 
 // Partitions for S keys when the batch has `tasks` tasks on `threads` threads; keys per partition in *keys.
 inline int64_t decode_parts(int64_t S, int64_t BS, int64_t tasks, int64_t threads, int64_t* keys) {
+  if (tasks >= kSplitTasksPerThread * threads) return 1;
   int64_t want = S / kPartKeys;
   if (tasks < threads) want = std::max(want, std::min((kSplitTasksPerThread * threads + tasks - 1) / tasks,
                                                       S / kMinPartKeys));
   const int64_t nb = (S + BS - 1) / BS;
-  if (tasks >= kSplitTasksPerThread * threads || want < 2 || nb < 2) return 1;
+  if (want < 2 || nb < 2) return 1;
   const int64_t per = (nb + want - 1) / want;  // blocks per partition
   *keys = per * BS;
   return (nb + per - 1) / per;

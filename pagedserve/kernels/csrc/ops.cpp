@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <cstring>
 #include <type_traits>
 #include <vector>
-#include <cstring>
 
 #include "common.h"
 
