@@ -598,9 +598,11 @@ void logprobs_row(const float* l, int64_t V, int64_t token, int64_t k, float* ch
                   float* vals) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < V; ++i) m = std::max(m, l[i]);
-  float z = 0.f;
+  // The sum in double: in float32 lanes, a large vocabulary's many small terms fall below the sum's last bit and
+  // are lost (262,144 logits of scale 4: 5e-5 low, twice torch's own float32 error).
+  double z = 0.0;
   for (int64_t i = 0; i < V; ++i) z += std::exp(l[i] - m);
-  const float lse = m + std::log(z);
+  const float lse = static_cast<float>(static_cast<double>(m) + std::log(z));
   const float lt = l[token];
   int64_t above = 0;
   for (int64_t i = 0; i < V; ++i) above += l[i] > lt;
