@@ -323,20 +323,22 @@ def test_bf16_linear_of_many_rows_and_columns_gives_each_rows_own_bits(kernels, 
 def test_bf16_silu_is_silu_and_mul_over_the_bf16_linear(kernels, threads, bf16_route, qtype):
     """quant_linear_bf16_silu (the MLP's gate_up projection and SwiGLU in one call; fused into the AMX many-rows
     matmul's epilogue) gives exactly silu_and_mul over quant_linear_bf16's bf16 output: few rows, tiles of rows
-    with a partial last one, x past 1 MB (the shared widened weights), I = 80 (a group of 4 panels and one of 1)."""
-    I, k = 80, 512 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 640
-    raw = random_blocks(qtype, 2 * I, k, seed=51)
-    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    with a partial last one, x past 1 MB (the shared widened weights), I = 80 (a group of 4 panels and one of 1),
+    I = 208 (several groups per thread: on AMX each item's outputs are written during the next item's products)."""
+    k = 512 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 640
     g = torch.Generator().manual_seed(52)
     x = (torch.randn(900, k, generator=g) * 4).to(torch.bfloat16)
-    for m in (1, 3, 16, 17, 45, 900):
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            ref = kernels.silu_and_mul(kernels.quant_linear_bf16(x[:m], packed, int(qtype), 2 * I, None,
-                                                                 torch.bfloat16))
-            got = kernels.quant_linear_bf16_silu(x[:m], packed, int(qtype), 2 * I)
-            assert got.dtype == torch.bfloat16 and got.shape == (m, I)
-            assert torch.equal(got, ref), (m, t)
+    for I, ms in ((208, (64, 77, 900)), (80, (1, 3, 16, 17, 45, 900))):
+        raw = random_blocks(qtype, 2 * I, k, seed=51)
+        packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+        for m in ms:
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                ref = kernels.silu_and_mul(kernels.quant_linear_bf16(x[:m], packed, int(qtype), 2 * I, None,
+                                                                     torch.bfloat16))
+                got = kernels.quant_linear_bf16_silu(x[:m], packed, int(qtype), 2 * I)
+                assert got.dtype == torch.bfloat16 and got.shape == (m, I)
+                assert torch.equal(got, ref), (I, m, t)
     gate, up = (x.double() @ dequantize(raw, qtype).to(torch.bfloat16).double().t()).chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     assert torch.allclose(got.double(), expected, rtol=2e-2, atol=2e-2 * float(up.abs().max()))
