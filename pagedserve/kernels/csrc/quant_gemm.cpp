@@ -593,12 +593,14 @@ inline void write_panels(const float* acc, int64_t as, int64_t rows, int np, int
 // every k pair. The fused SwiGLU ran ~12% slower than a plain matmul of the same shape (Zen 4, M = 2,048, N = 3,072,
 // K = 576: 19.5 ms; 17.2 ms as a call, the same bits).
 template <typename OT>
+inline void silu_store16(const float* gate, int64_t up, OT* dst) {
+  store16(dst, silu_mul16(round16(_mm512_loadu_ps(gate)), round16(_mm512_loadu_ps(gate + up))));
+}
+
+template <typename OT>
 __attribute__((noinline)) void write_silu(const float* acc, int64_t as, int64_t rows, int np, int64_t p0, OT* y, int64_t I, int64_t up) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int j = 0; j < np; ++j) {
-      const float* a = acc + r * as + j * 16;
-      store16(y + r * I + (p0 + j) * 16, silu_mul16(round16(_mm512_loadu_ps(a)), round16(_mm512_loadu_ps(a + up))));
-    }
+    for (int j = 0; j < np; ++j) silu_store16(acc + r * as + j * 16, up, y + r * I + (p0 + j) * 16);
   }
 }
 #endif
@@ -1015,16 +1017,10 @@ struct PanelGroups {
     for (int64_t s = 0; s < slots; ++s) widen_slot(g, s, buf + s * K * 16);
   }
 #ifdef PAGEDSERVE_AVX512
-  // One row's panel j (16 outputs) of write() below: row i of acc, output row r, the group at panel p0.
-  void write_one(const float* acc, int64_t i, int j, int64_t r, int64_t p0) const {
-    const float* a = acc + i * as + j * 16;
-    if constexpr (Silu) {
-      store16(y + r * (N / 2) + (p0 + j) * 16,
-              silu_mul16(round16(_mm512_loadu_ps(a)), round16(_mm512_loadu_ps(a + kBfPanels * 16))));
-    } else {
-      const int64_t n0 = (p0 + j) * 16;
-      write_rows(a, as, 1, bias, y + r * N, N, n0, std::min<int64_t>(16, N - n0));
-    }
+  // With Silu, one row's panel j (16 outputs) of write() below: row i of acc, output row r, the group at panel p0.
+  void write_silu_one(const float* acc, int64_t i, int j, int64_t r, int64_t p0) const {
+    static_assert(Silu);
+    silu_store16(acc + i * as + j * 16, kBfPanels * 16, y + r * (N / 2) + (p0 + j) * 16);
   }
 #endif
   // The sums of `rows` rows from row r (acc, row stride as) of the group starting at panel p0.
@@ -1158,7 +1154,7 @@ struct AmxLaterWrites {
   void units(int64_t k) {
     for (; k > 0 && u < n; --k, ++u) {
       const int64_t i = u / np;
-      pg.write_one(acc, i, static_cast<int>(u % np), m0 + i, p0);
+      pg.write_silu_one(acc, i, static_cast<int>(u % np), m0 + i, p0);
     }
   }
   // The outputs of `rows` rows of acc (rows from m0_, the group at p0_), from now on.
@@ -1257,7 +1253,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
         pg.widen(g, buf);
         item(buf, 0, M, g * kBfPanels, Silu && (g - g0) % 2 ? s1.p : s0.p, tiles, lw);
       }
-      lw.finish();
+      if constexpr (Silu) lw.finish();
     });
     return;
   }
@@ -1288,7 +1284,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
           item(wide + gi * gsize, m0, std::min(MB, M - m0), (g0 + gi) * kBfPanels, Silu && (it - i0) % 2 ? s1.p : s0.p, tiles,
                lw);
       }
-      lw.finish();
+      if constexpr (Silu) lw.finish();
     });
   }
 }
