@@ -1048,16 +1048,16 @@ struct PanelGroups {
 // rows (1-16): a block of rows below 16 is configured to its size instead of padded.
 #ifdef PAGEDSERVE_QUANT_AMX
 
-// C tiles (RT row tiles x PT panels) = x rows . buf panels over all of K, stored into acc (row stride as floats).
-// buf: PT panels of K * 16 bf16 each (the pair layout); x: RT * rows rows of bf16 (row stride xs).
-// With ka > 0 the C tiles continue the chains stored in acc by the call for the k before ka (a float32 tile stored
-// and loaded back is the same bits), so a K-blocked loop gives the unblocked chains exactly.
 struct NoSideWork {
   void operator()() {}
 };
 
-// side() runs after each 32-k step's tile products are issued: vector work (another block's epilogue, the next
-// weights' widening) that the core's vector ports do while the tile unit multiplies (they overlap: a 4-product step
+// C tiles (RT row tiles x PT panels) = x rows . buf panels over all of K, stored into acc (row stride as floats).
+// buf: PT panels of K * 16 bf16 each (the pair layout); x: RT * rows rows of bf16 (row stride xs).
+// With ka > 0 the C tiles continue the chains stored in acc by the call for the k before ka (a float32 tile stored
+// and loaded back is the same bits), so a K-blocked loop gives the unblocked chains exactly.
+// side() runs after each 32-k step's tile products are issued: vector work (another item's epilogue:
+// AmxLaterWrites) that the core's vector ports do while the tile unit multiplies (they overlap: a 4-product step
 // with ~60 FMAs beside it takes as long as the step alone on a Sapphire Rapids).
 template <int RT, int PT, typename SW = NoSideWork>
 inline void amx_block(const uint16_t* x, int64_t xs, int rows, const uint16_t* buf, int64_t K, float* acc,
@@ -1206,16 +1206,17 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
             for (int64_t r0 = 0; r0 < full; r0 += 32) {
               const uint16_t* xr = x + (m0 + r0) * xs;
               float* c = acc + r0 * as + j * 16;
-              if constexpr (Silu) {
+              auto block = [&](auto&& side) {
                 if (pair) {
-                  amx_block<2, 2>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, lw);
+                  amx_block<2, 2>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, side);
                 } else {
-                  amx_block<2, 1>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, lw);
+                  amx_block<2, 1>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, side);
                 }
-              } else if (pair) {
-                amx_block<2, 2>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz);
+              };
+              if constexpr (Silu) {
+                block(lw);
               } else {
-                amx_block<2, 1>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz);
+                block(NoSideWork{});
               }
             }
           }
