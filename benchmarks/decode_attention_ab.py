@@ -3,10 +3,12 @@ builds of the C++ extension in ONE process, alternating, with 30 layers' caches 
 the engine (a layer's K and V: 18.9 MB at 192 keys), over consecutive and randomly placed cache blocks.
 
     python benchmarks/decode_attention_ab.py A.so [B.so] [--seqs 128] [--keys 192] [--layers 30] [--reps 7]
+        [--heads 9 --kv-heads 3 --head-dim 64] [--no-amx]
 
 A.so / B.so: extension builds (see benchmarks/ab_builds.py for where they are). With two builds the first
 output's largest difference between them is printed as well. Prints ms per layer (median and min of the reps).
---layers 1 --seqs 8 keeps everything in the caches: the kernel's compute alone.
+--layers 1 --seqs 8 keeps everything in the caches: the kernel's compute alone. Gemma 3 270M's shape: --heads 4
+--kv-heads 1 --head-dim 256. --no-amx: the AVX512-BF16 scores on an AMX CPU (set_amx(False) in every build).
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=192)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--no-amx", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     mods = [load_build(p) for p in args.builds]
-    B, S, H, KVH, D, BS, L = args.seqs, args.keys, 9, 3, 64, 16, args.layers
+    if args.no_amx:
+        for m in mods:
+            m.set_amx(False)
+    B, S, H, KVH, D, BS, L = args.seqs, args.keys, args.heads, args.kv_heads, args.head_dim, 16, args.layers
     nb = (S + BS - 1) // BS
     # One allocation for every layer's K and V, as separate tensors of the engine's shape.
     big = torch.randn(2 * L, B * nb, BS, KVH, D).bfloat16()

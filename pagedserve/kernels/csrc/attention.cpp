@@ -358,13 +358,59 @@ namespace {
 
 constexpr int64_t kMaxGroupChunk = 8;
 constexpr int64_t kMaxHeadDim = 512;
-// Decode attention reads K/V rows this many keys ahead of use (random blocks: no hardware prefetch).
-constexpr int64_t kPrefetchKeys = 64;
-
 #ifdef PAGEDSERVE_AVX512
-// sc[g * S + j] = qf_g . k_j for the G heads of one chunk (q already scaled).
-// Blocks sit at random places in the cache, where the hardware prefetcher cannot follow: ask for the
-// next block's rows (this kv head's part) while the current one is processed.
+// The K and V rows of one (sequence, partition) of decode attention — the byte range [o0, o1) of each row, the kv
+// heads a thread attends there — asked into L2 a cache line (of K and of V) at a time. A thread of decode_avx512
+// attends its tasks in order and streams the next pair's rows while it computes this one's: the scores and P.V
+// passes call step() as they go (a few lines per few keys), and what is left when the next pair starts is asked
+// for at once (finish). The blocks lie at random places, where no hardware prefetcher follows; a pair's rows
+// (~150 KB for SmolLM2 at 192 keys) fit L2 beside the next one's. On a Sapphire Rapids this took W1's decode
+// attention from 1.86 to 1.15 ms per layer (benchmarks/decode_attention_ab.py), where prefetching a fixed
+// distance ahead inside each task (kept in flight by too few line-fill buffers) overlapped little of the memory
+// with the compute. A thread's first pair is not asked for ahead (`cold`): its passes prefetch their own rows a fixed
+// distance ahead (prefetch_ahead), which overlaps better where a thread has a single pair (one sequence's decode).
+struct RowStream {
+  bool cold = true;
+  const char* kc = nullptr;
+  const char* vc = nullptr;
+  const int64_t* table = nullptr;  // the block of the next row
+  int64_t left = 0, BS = 1, rowb = 0, o0 = 0, o1 = 0, jb = 0, o = 0, at = 0;  // at: the next row's byte offset
+
+  void start(const void* k, const void* v, const int64_t* t, int64_t keys, int64_t bs, int64_t row_bytes,
+             int64_t first_byte, int64_t end_byte) {
+    kc = static_cast<const char*>(k);
+    vc = static_cast<const char*>(v);
+    table = t;
+    left = keys;
+    BS = bs;
+    rowb = row_bytes;
+    o0 = o = first_byte / 64 * 64;
+    o1 = end_byte;
+    jb = 0;
+    at = keys > 0 ? table[0] * BS * rowb : 0;
+  }
+  void stop() { left = 0; }
+  inline void step(int64_t lines) {
+    for (; lines > 0 && left > 0; --lines) {
+      _mm_prefetch(kc + at + o, _MM_HINT_T1);
+      _mm_prefetch(vc + at + o, _MM_HINT_T1);
+      o += 64;
+      if (o >= o1) {
+        o = o0;
+        if (--left == 0) break;
+        if (++jb == BS) {
+          jb = 0;
+          ++table;
+        }
+        at = (table[0] * BS + jb) * rowb;
+      }
+    }
+  }
+  void finish() { step(INT64_MAX); }
+};
+
+// A cold pair's float32 passes (see RowStream): the next cache block's rows of this kv head (its D elements from
+// base, n keys), into L1.
 template <typename SC>
 inline void prefetch_block(const SC* base, int64_t n, int64_t row, int64_t D) {
   for (int64_t t = 0; t < n; ++t) {
@@ -373,13 +419,16 @@ inline void prefetch_block(const SC* base, int64_t n, int64_t row, int64_t D) {
   }
 }
 
+// sc[g * S + j] = qf_g . k_j for the G heads of one chunk (q already scaled).
 template <int G, typename SC>
 void scores_pass(const float* qf, const SC* kc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
-                 int64_t D, float* sc) {
+                 int64_t D, float* sc, RowStream& ahead) {
   for (int64_t j0 = 0; j0 < S; j0 += BS) {
     const SC* base = kc + table[j0 / BS] * BS * row;
     const int64_t n = std::min(BS, S - j0);
-    if (j0 + BS < S) prefetch_block(kc + table[j0 / BS + 1] * BS * row, std::min(BS, S - j0 - BS), row, D);
+    if (ahead.cold && j0 + BS < S)
+      prefetch_block(kc + table[j0 / BS + 1] * BS * row, std::min(BS, S - j0 - BS), row, D);
+    ahead.step(4);
     for (int64_t t = 0; t < n; ++t) {
       const SC* k = base + t * row;
       __m512 acc[G];
@@ -396,15 +445,17 @@ void scores_pass(const float* qf, const SC* kc, const int64_t* table, int64_t S,
 // out_g[c : c + 16 * NV] = sum_j p_g[j] * v_j[c : c + 16 * NV], accumulated in registers.
 template <int G, int NV, typename SC, typename SO>
 void pv_chunk(const float* sc, const SC* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row, int64_t D,
-              int64_t c, SO* out) {
+              int64_t c, SO* out, RowStream& ahead) {
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < NV; ++k) acc[g][k] = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < S; j0 += BS) {
     const SC* base = vc + table[j0 / BS] * BS * row + c;
     const int64_t n = std::min(BS, S - j0);
-    if (j0 + BS < S) prefetch_block(vc + table[j0 / BS + 1] * BS * row + c, std::min(BS, S - j0 - BS), row, 16 * NV);
+    if (ahead.cold && j0 + BS < S)
+      prefetch_block(vc + table[j0 / BS + 1] * BS * row + c, std::min(BS, S - j0 - BS), row, 16 * NV);
     for (int64_t t = 0; t < n; ++t) {
+      ahead.step(1);
       __m512 v[NV];
       for (int k = 0; k < NV; ++k) v[k] = load16(base + t * row + 16 * k);
       for (int g = 0; g < G; ++g) {
@@ -426,9 +477,10 @@ inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
   return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
 }
 
-// For the n keys from j0 of a bf16 scores pass: the K and V rows of keys j0 + kPrefetchKeys .. + n (random blocks:
-// no hardware prefetch; a DRAM miss takes far longer than n keys' dots), and at the start (j0 = 0) also the first
-// kPrefetchKeys: K into L1 for this pass, V into L2 for the P.V pass after.
+// A cold pair's (see RowStream) bf16 scores pass at key j0, before its next n keys: the K and V rows of this kv head
+// for keys j0 + kPrefetchKeys .. + n, and at the start (j0 = 0) the first kPrefetchKeys too: K into L1 for this pass,
+// V into L2 for the P.V pass after.
+constexpr int64_t kPrefetchKeys = 64;
 inline void prefetch_ahead(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS,
                            int64_t row, int64_t D, int64_t j0, int64_t n) {
   const int64_t pf0 = j0 == 0 ? 0 : j0 + kPrefetchKeys, pf1 = std::min(S, j0 + kPrefetchKeys + n);
@@ -445,7 +497,7 @@ inline void prefetch_ahead(const uint16_t* kc, const uint16_t* vc, const int64_t
 
 template <int G, int ND>
 void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t S,
-                      int64_t BS, int64_t row, int64_t D, float scale, float* sc) {
+                      int64_t BS, int64_t row, int64_t D, float scale, float* sc, RowStream& ahead) {
   const __m512i l1lo = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i l1hi = _mm512_add_epi32(l1lo, _mm512_set1_epi32(8));
   const __m512i l2lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
@@ -460,7 +512,8 @@ void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < S; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, S - j0);
-    prefetch_ahead(kc, vc, table, S, BS, row, D, j0, 16);
+    if (ahead.cold) prefetch_ahead(kc, vc, table, S, BS, row, D, j0, 16);
+    ahead.step(4);
     __m512 d4[G][4];  // level-2 results: 4 keys each
     _Pragma("GCC unroll 4")
     for (int quad = 0; quad < 4; ++quad) {
@@ -499,7 +552,7 @@ void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
 // the instructions of pv_chunk's float32 path (which widens each V row and runs one FMA per key and 16 d).
 template <int G, typename SO>
 void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
-                   int64_t D, SO* out, std::vector<uint32_t>& pairs) {
+                   int64_t D, SO* out, std::vector<uint32_t>& pairs, RowStream& ahead) {
   const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
   pairs.resize(G * pstride + 16);
   auto lanes = [](int64_t n) {  // the first n lanes (none for n <= 0, all 16 from n >= 16)
@@ -522,6 +575,7 @@ void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, in
     for (int g = 0; g < G; ++g)
       for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
     for (int64_t t = 0; t < np; ++t) {
+      ahead.step(2);
       const int64_t j = 2 * t;
       const uint16_t* v0 = vc + table[j / BS] * BS * row + (j % BS) * row + c;
       const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
@@ -551,7 +605,7 @@ void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, in
 // read-back serialize). Needs the cache block size to be a multiple of 16 (16 keys never straddle two blocks).
 template <int G>
 void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t S,
-                     int64_t BS, int64_t row, int64_t D, float scale, float* sc) {
+                     int64_t BS, int64_t row, int64_t D, float scale, float* sc, RowStream& ahead) {
   static_assert(G <= 16);
   alignas(64) uint16_t qb[2][16 * 32] = {};
   for (int c = 0; c < 2; ++c)
@@ -567,7 +621,8 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
   const __m512 sv = _mm512_set1_ps(scale);
   const int64_t rb = row * 2;
   for (int64_t j0 = 0; j0 < S; j0 += 32) {
-    prefetch_ahead(kc, vc, table, S, BS, row, D, j0, 32);
+    if (ahead.cold) prefetch_ahead(kc, vc, table, S, BS, row, D, j0, 32);
+    ahead.step(8);
     const uint16_t* k0 = kc + table[j0 / BS] * BS * row + (j0 % BS) * row;
     _tile_zero(0);
     _tile_loadd(2, k0, rb);
@@ -610,13 +665,13 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
 template <int G, typename SC, typename SQ, typename SO>
 void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, const SC* vc, const int64_t* table,
                   int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SO* out,
-                  [[maybe_unused]] bool tiles, int64_t skip, float* stats) {
+                  [[maybe_unused]] bool tiles, int64_t skip, float* stats, RowStream& ahead) {
   sc.resize(G * S + 16);
   bool done = false;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t>) {
     if (tiles) {  // decode_avx512 checked D and the block size
-      scores_pass_amx<G>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
+      scores_pass_amx<G>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data(), ahead);
       done = true;
     }
   }
@@ -624,33 +679,33 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
 #ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
     if (!done && D == 64) {
-      scores_pass_bf16<G, 2>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
+      scores_pass_bf16<G, 2>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data(), ahead);
       done = true;
     } else if (!done && D == 128) {
-      scores_pass_bf16<G, 4>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data());
+      scores_pass_bf16<G, 4>(qraw, kc, vc, table, S, BS, row, D, scale, sc.data(), ahead);
       done = true;
     }
   }
 #endif
-  if (!done) scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data());
+  if (!done) scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data(), ahead);
   mask_skipped(sc.data(), G, S, skip);
   for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S, stats ? stats + 2 * g : nullptr);
 #ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
     if (D % 64 == 0 && BS % 2 == 0) {
       thread_local std::vector<uint32_t> pairs;
-      pv_pairs_bf16<G>(sc.data(), vc, table, S, BS, row, D, out, pairs);
+      pv_pairs_bf16<G>(sc.data(), vc, table, S, BS, row, D, out, pairs, ahead);
       return;
     }
   }
 #endif
 
   int64_t c = 0;
-  for (; c + 64 <= D; c += 64) pv_chunk<G, 4>(sc.data(), vc, table, S, BS, row, D, c, out);
+  for (; c + 64 <= D; c += 64) pv_chunk<G, 4>(sc.data(), vc, table, S, BS, row, D, c, out, ahead);
   switch ((D - c) / 16) {
-    case 3: pv_chunk<G, 3>(sc.data(), vc, table, S, BS, row, D, c, out); break;
-    case 2: pv_chunk<G, 2>(sc.data(), vc, table, S, BS, row, D, c, out); break;
-    case 1: pv_chunk<G, 1>(sc.data(), vc, table, S, BS, row, D, c, out); break;
+    case 3: pv_chunk<G, 3>(sc.data(), vc, table, S, BS, row, D, c, out, ahead); break;
+    case 2: pv_chunk<G, 2>(sc.data(), vc, table, S, BS, row, D, c, out, ahead); break;
+    case 1: pv_chunk<G, 1>(sc.data(), vc, table, S, BS, row, D, c, out, ahead); break;
     default: break;
   }
 }
@@ -659,16 +714,16 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
 template <typename SC, typename SQ, typename SO>
 void attend_group(int64_t G, const float* qf, const SQ* qs, float scale, const SC* k, const SC* v,
                   const int64_t* table, int64_t S, int64_t BS, int64_t row, int64_t D, std::vector<float>& sc, SO* o,
-                  bool tiles, int64_t skip, float* stats) {
+                  bool tiles, int64_t skip, float* stats, RowStream& ahead) {
   switch (G) {
-    case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
-    case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
-    case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
-    case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
-    case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
-    case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
-    case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
-    default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats); break;
+    case 1: attend_chunk<1>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats, ahead); break;
+    case 2: attend_chunk<2>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats, ahead); break;
+    case 3: attend_chunk<3>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats, ahead); break;
+    case 4: attend_chunk<4>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats, ahead); break;
+    case 5: attend_chunk<5>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats, ahead); break;
+    case 6: attend_chunk<6>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats, ahead); break;
+    case 7: attend_chunk<7>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats, ahead); break;
+    default: attend_chunk<8>(qf, qs, scale, k, v, table, S, BS, row, D, sc, o, tiles, skip, stats, ahead); break;
   }
 }
 
@@ -733,16 +788,33 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
   }
   const int64_t npairs = static_cast<int64_t>(pair_b.size());
   std::vector<float> part_out(nsplit * H * D), part_stats(nsplit * H * 2);
-  at::parallel_for(0, npairs * KVH * chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t per_pair = KVH * chunks;
+  at::parallel_for(0, npairs * per_pair, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> sc;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
     amx::Tiles tiles;
     if (use_tiles) tiles.use(16);
 #endif
     alignas(64) float qf[kMaxGroupChunk * kMaxHeadDim];
+    // RowStream over the rows of pair pr that this thread reads (its kv heads there, of items begin .. end - 1).
+    RowStream rows_ahead;
+    auto stream_pair = [&](int64_t pr) {
+      const int64_t i0 = std::max(begin, pr * per_pair), i1 = std::min(end, (pr + 1) * per_pair) - 1;
+      const int64_t bb = pair_b[pr], k0 = first_part[bb] < 0 ? 0 : pair_p[pr] * per_part[bb];
+      const int64_t keys = first_part[bb] < 0 ? spans[bb].S : std::min(per_part[bb], spans[bb].S - k0);
+      const int64_t eb = static_cast<int64_t>(sizeof(SC)) * D;
+      rows_ahead.start(kc, vc, spans[bb].table + k0 / BS, keys, BS, row * static_cast<int64_t>(sizeof(SC)),
+                       (i0 / chunks) % KVH * eb, ((i1 / chunks) % KVH + 1) * eb);
+    };
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / (KVH * chunks), kvh = (item / chunks) % KVH, ch = item % chunks;
+      const int64_t pair = item / per_pair, kvh = (item / chunks) % KVH, ch = item % chunks;
       const int64_t b = pair_b[pair], p = pair_p[pair];
+      if (item == begin || item % per_pair == 0) {  // a new pair: the rest of its rows now, the next pair's during it
+        rows_ahead.finish();
+        rows_ahead.cold = item == begin;
+        if ((pair + 1) * per_pair < end) stream_pair(pair + 1);
+        else rows_ahead.stop();
+      }
       const int64_t h0 = kvh * group + ch * kMaxGroupChunk;
       const int64_t G = std::min(kMaxGroupChunk, group - ch * kMaxGroupChunk);
       const int64_t r = rows ? rows[b] : b;
@@ -753,12 +825,12 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
       const SC* v = vc + kvh * D;
       if (first_part[b] < 0) {
         attend_group(G, qf, qs, scale, k, v, span.table, span.S, BS, row, D, sc, out + (r * H + h0) * D, use_tiles,
-                     span.skip, static_cast<float*>(nullptr));
+                     span.skip, static_cast<float*>(nullptr), rows_ahead);
       } else {
         const int64_t k0 = p * per_part[b], part = first_part[b] + p;
         attend_group(G, qf, qs, scale, k, v, span.table + k0 / BS, std::min(per_part[b], span.S - k0), BS, row, D,
                      sc, part_out.data() + (part * H + h0) * D, use_tiles, p == 0 ? span.skip : 0,
-                     part_stats.data() + (part * H + h0) * 2);
+                     part_stats.data() + (part * H + h0) * 2, rows_ahead);
       }
     }
   });
