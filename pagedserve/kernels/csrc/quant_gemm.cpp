@@ -1173,6 +1173,28 @@ struct AmxLaterWrites {
   void finish() { units(n - u); }
 };
 
+// The next group's packed weights into L2 during this group's tile products (amx_block's side work) where each
+// thread widens its own groups: a share of the lines after each 32-k step. The weights of a matmul at a decode step's
+// rows come from memory (the step's K/V reads pass through the caches between layers), and a group's widening
+// otherwise waits on them before its tile products start.
+struct GroupPrefetch {
+  const uint8_t* p[2] = {nullptr, nullptr};
+  int64_t left[2] = {0, 0}, per = 0;  // bytes left in each range; lines per call
+  void start(const uint8_t* a, int64_t an, const uint8_t* b, int64_t bn) {
+    p[0] = a, p[1] = b, left[0] = an, left[1] = bn;
+  }
+  void spread(int64_t calls) { per = (left[0] + left[1] + 64 * calls - 1) / (64 * std::max<int64_t>(1, calls)); }
+  void operator()() {
+    for (int64_t k = per; k > 0; --k) {
+      const int r = left[0] > 0 ? 0 : 1;
+      if (left[r] <= 0) return;
+      _mm_prefetch(reinterpret_cast<const char*>(p[r]), _MM_HINT_T1);
+      p[r] += 64;
+      left[r] -= 64;
+    }
+  }
+};
+
 // The many-rows AMX matmul (M > kAmxGemvRows); with Silu, the fused SwiGLU (see PanelGroups).
 template <int64_t T, typename OT, bool Silu = false>
 void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
@@ -1192,10 +1214,13 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   const int64_t gsize = slots * K * 16;  // bf16 per group
   const int64_t nkb = std::max<int64_t>(1, (K * 128 + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
   const int64_t kc = ((K + nkb - 1) / nkb + 31) / 32 * 32;
-  auto item = [&](const uint16_t* buf, int64_t m0, int64_t mb, int64_t p0, float* acc, amx::Tiles& tiles, LW& lw) {
+  auto item = [&](const uint16_t* buf, int64_t m0, int64_t mb, int64_t p0, float* acc, amx::Tiles& tiles, LW& lw,
+                  GroupPrefetch& pf) {
     const int np = pg.np(p0);
     const int64_t full = mb / 32 * 32;
-    if constexpr (Silu) lw.begin((K / 32) * sides * ((np + 1) / 2) * (full / 32));
+    const int64_t steps = (K / 32) * sides * ((np + 1) / 2) * (full / 32);
+    if constexpr (Silu) lw.begin(steps);
+    pf.spread(steps);
     if (full) {
       tiles.use(16);
       for (int64_t ka = 0; ka < K; ka += kc) {
@@ -1214,9 +1239,12 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
                 }
               };
               if constexpr (Silu) {
-                block(lw);
+                block([&] {
+                  lw();
+                  pf();
+                });
               } else {
-                block(NoSideWork{});
+                block(pf);
               }
             }
           }
@@ -1250,9 +1278,14 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
       uint16_t* buf = align64(bv, gsize);
       amx::Tiles tiles;
       LW lw(pg);
+      GroupPrefetch pf;
       for (int64_t g = g0; g < g1; ++g) {
         pg.widen(g, buf);
-        item(buf, 0, M, g * kBfPanels, Silu && (g - g0) % 2 ? s1.p : s0.p, tiles, lw);
+        if (g + 1 < g1) {  // the next group's panels: gate (or all) and, with Silu, up
+          const int64_t p1 = (g + 1) * kBfPanels, bytes = pg.np(p1) * pg.pstride;
+          pf.start(w + p1 * pg.pstride, bytes, Silu ? w + (pg.up0 + p1) * pg.pstride : nullptr, Silu ? bytes : 0);
+        }
+        item(buf, 0, M, g * kBfPanels, Silu && (g - g0) % 2 ? s1.p : s0.p, tiles, lw, pf);
       }
       if constexpr (Silu) lw.finish();
     });
@@ -1279,11 +1312,12 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
       Scratch s0(MB * as), s1(Silu ? MB * as : 0);
       amx::Tiles tiles;
       LW lw(pg);
+      GroupPrefetch none;  // the chunk's weights were widened before the items
       for (int64_t it = i0; it < i1; ++it) {
         const int64_t m0 = (it / gn) * MB, gi = it % gn;
         if (m0 < M)
           item(wide + gi * gsize, m0, std::min(MB, M - m0), (g0 + gi) * kBfPanels, Silu && (it - i0) % 2 ? s1.p : s0.p, tiles,
-               lw);
+               lw, none);
       }
       if constexpr (Silu) lw.finish();
     });
