@@ -365,7 +365,7 @@ constexpr int64_t kMaxHeadDim = 512;
 // passes call step() as they go (a few lines per few keys), and what is left when the next pair starts is asked
 // for at once (finish). The blocks lie at random places, where no hardware prefetcher follows; a pair's rows
 // (~150 KB for SmolLM2 at 192 keys) fit L2 beside the next one's. On a Sapphire Rapids this took W1's decode
-// attention from 1.86 to 1.15 ms per layer (benchmarks/decode_attention_ab.py), where prefetching a fixed
+// attention from 1.9 to 1.05 ms per layer (benchmarks/decode_attention_ab.py), where prefetching a fixed
 // distance ahead inside each task (kept in flight by too few line-fill buffers) overlapped little of the memory
 // with the compute. A thread's first pair is not asked for ahead (`cold`): its passes prefetch their own rows a fixed
 // distance ahead (prefetch_ahead), which overlaps better where a thread has a single pair (one sequence's decode).
