@@ -1198,7 +1198,7 @@ struct GroupPrefetch {
 // Where each thread widens its own groups (a decode step's rows), the output lines of an item (`rows` rows of `bytes`
 // from base, row stride `stride` bytes) asked for in the exclusive state (prefetchw) during its tile products, a
 // share at a time: the output buffer is not in L2 there (the step's K/V reads pass through between its uses), and
-// the item's writes otherwise each wait on a read for ownership. W1 +4.6% on a Sapphire Rapids. (Not on the
+// the item's writes otherwise each wait on a read for ownership. W1 +3.4% on a Sapphire Rapids. (Not on the
 // prefill-sized route: W3 measured no gain, rather a loss, there.)
 struct OutPrefetch {
   char* base = nullptr;
