@@ -789,6 +789,14 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
   const int64_t npairs = static_cast<int64_t>(pair_b.size());
   std::vector<float> part_out(nsplit * H * D), part_stats(nsplit * H * 2);
   const int64_t per_pair = KVH * chunks;
+  // The keys pair pr attends: its sequence's span, or its partition of it.
+  auto pair_span = [&](int64_t pr) -> WindowSpan {
+    const int64_t bb = pair_b[pr], pp = pair_p[pr];
+    const WindowSpan& sp = spans[bb];
+    if (first_part[bb] < 0) return sp;
+    const int64_t k0 = pp * per_part[bb];
+    return {sp.table + k0 / BS, std::min(per_part[bb], sp.S - k0), pp == 0 ? sp.skip : 0};
+  };
   at::parallel_for(0, npairs * per_pair, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> sc;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
@@ -800,11 +808,10 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
     RowStream rows_ahead;
     auto stream_pair = [&](int64_t pr) {
       const int64_t i0 = std::max(begin, pr * per_pair), i1 = std::min(end, (pr + 1) * per_pair) - 1;
-      const int64_t bb = pair_b[pr], k0 = first_part[bb] < 0 ? 0 : pair_p[pr] * per_part[bb];
-      const int64_t keys = first_part[bb] < 0 ? spans[bb].S : std::min(per_part[bb], spans[bb].S - k0);
+      const WindowSpan ps = pair_span(pr);
       const int64_t eb = static_cast<int64_t>(sizeof(SC)) * D;
-      rows_ahead.start(kc, vc, spans[bb].table + k0 / BS, keys, BS, row * static_cast<int64_t>(sizeof(SC)),
-                       (i0 / chunks) % KVH * eb, ((i1 / chunks) % KVH + 1) * eb);
+      rows_ahead.start(kc, vc, ps.table, ps.S, BS, row * static_cast<int64_t>(sizeof(SC)), (i0 / chunks) % KVH * eb,
+                       ((i1 / chunks) % KVH + 1) * eb);
     };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t pair = item / per_pair, kvh = (item / chunks) % KVH, ch = item % chunks;
@@ -820,17 +827,16 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
       const int64_t r = rows ? rows[b] : b;
       const SQ* qs = q + r * q_stride + h0 * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = Elem<SQ>::load(qs[i]) * scale;
-      const WindowSpan& span = spans[b];
+      const WindowSpan span = pair_span(pair);
       const SC* k = kc + kvh * D;
       const SC* v = vc + kvh * D;
       if (first_part[b] < 0) {
         attend_group(G, qf, qs, scale, k, v, span.table, span.S, BS, row, D, sc, out + (r * H + h0) * D, use_tiles,
                      span.skip, static_cast<float*>(nullptr), rows_ahead);
       } else {
-        const int64_t k0 = p * per_part[b], part = first_part[b] + p;
-        attend_group(G, qf, qs, scale, k, v, span.table + k0 / BS, std::min(per_part[b], span.S - k0), BS, row, D,
-                     sc, part_out.data() + (part * H + h0) * D, use_tiles, p == 0 ? span.skip : 0,
-                     part_stats.data() + (part * H + h0) * 2, rows_ahead);
+        const int64_t part = first_part[b] + p;
+        attend_group(G, qf, qs, scale, k, v, span.table, span.S, BS, row, D, sc, part_out.data() + (part * H + h0) * D,
+                     use_tiles, span.skip, part_stats.data() + (part * H + h0) * 2, rows_ahead);
       }
     }
   });

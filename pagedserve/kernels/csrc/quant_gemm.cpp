@@ -1183,7 +1183,10 @@ struct GroupPrefetch {
   void start(const uint8_t* a, int64_t an, const uint8_t* b, int64_t bn) {
     p[0] = a, p[1] = b, left[0] = an, left[1] = bn;
   }
-  void spread(int64_t calls) { per = (left[0] + left[1] + 64 * calls - 1) / (64 * std::max<int64_t>(1, calls)); }
+  void spread(int64_t calls) {
+    const int64_t c = std::max<int64_t>(1, calls);
+    per = (left[0] + left[1] + 64 * c - 1) / (64 * c);
+  }
   void operator()() {
     for (int64_t k = per; k > 0; --k) {
       const int r = left[0] > 0 ? 0 : 1;
@@ -1232,15 +1235,19 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   const int64_t gsize = slots * K * 16;  // bf16 per group
   const int64_t nkb = std::max<int64_t>(1, (K * 128 + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
   const int64_t kc = ((K + nkb - 1) / nkb + 31) / 32 * 32;
+  // ahead: the route where each thread widens its own groups (a decode step's rows), which asks for the next group's
+  // weights and this item's outputs ahead (nullptr: the prefill-sized route, nothing asked ahead).
   auto item = [&](const uint16_t* buf, int64_t m0, int64_t mb, int64_t p0, float* acc, amx::Tiles& tiles, LW& lw,
-                  GroupPrefetch& pf, bool out_ahead) {
+                  GroupPrefetch* ahead) {
     const int np = pg.np(p0);
     const int64_t full = mb / 32 * 32;
     const int64_t steps = (K / 32) * sides * ((np + 1) / 2) * (full / 32);
     if constexpr (Silu) lw.begin(steps);
+    GroupPrefetch none;
+    GroupPrefetch& pf = ahead ? *ahead : none;
     pf.spread(steps);
     OutPrefetch op;
-    if (out_ahead) {
+    if (ahead) {
       const int64_t yn = Silu ? N / 2 : N, sz = static_cast<int64_t>(sizeof(OT));
       op.start(y + m0 * yn + p0 * 16, yn * sz, std::min<int64_t>(np * 16, yn - p0 * 16) * sz, mb, steps);
     }
@@ -1312,7 +1319,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
           const int64_t p1 = (g + 1) * kBfPanels, bytes = pg.np(p1) * pg.pstride;
           pf.start(w + p1 * pg.pstride, bytes, Silu ? w + (pg.up0 + p1) * pg.pstride : nullptr, Silu ? bytes : 0);
         }
-        item(buf, 0, M, g * kBfPanels, Silu && (g - g0) % 2 ? s1.p : s0.p, tiles, lw, pf, true);
+        item(buf, 0, M, g * kBfPanels, Silu && (g - g0) % 2 ? s1.p : s0.p, tiles, lw, &pf);
       }
       if constexpr (Silu) lw.finish();
     });
@@ -1339,12 +1346,11 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
       Scratch s0(MB * as), s1(Silu ? MB * as : 0);
       amx::Tiles tiles;
       LW lw(pg);
-      GroupPrefetch none;  // the chunk's weights were widened before the items
       for (int64_t it = i0; it < i1; ++it) {
         const int64_t m0 = (it / gn) * MB, gi = it % gn;
         if (m0 < M)
           item(wide + gi * gsize, m0, std::min(MB, M - m0), (g0 + gi) * kBfPanels, Silu && (it - i0) % 2 ? s1.p : s0.p, tiles,
-               lw, none, false);
+               lw, nullptr);
       }
       if constexpr (Silu) lw.finish();
     });
