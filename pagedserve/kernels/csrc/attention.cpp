@@ -550,25 +550,37 @@ void scores_pass_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
 // 2t + 1 (one cache block: BS is even) interleaved into (v_2t[d], v_2t+1[d]) pairs of 16 d per register (vpermt2w),
 // then one vdpbf16ps per 16 d adds both keys' products for a head (a key past S: p = 0 and v = 0). About a third of
 // the instructions of pv_chunk's float32 path (which widens each V row and runs one FMA per key and 16 d).
-template <int G, typename SO>
-void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
-                   int64_t D, SO* out, std::vector<uint32_t>& pairs, RowStream& ahead) {
-  const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
-  pairs.resize(G * pstride + 16);
+// The G rows of probabilities (sc, G rows of S) rounded to bf16 pairs (p_2t, p_2t+1), row g at pairs + g * pstride
+// (pstride: the (S + 1) / 2 pairs rounded up to 16, zero past S).
+template <int G>
+inline void round_pairs(const float* sc, int64_t S, int64_t pstride, uint32_t* pairs) {
   auto lanes = [](int64_t n) {  // the first n lanes (none for n <= 0, all 16 from n >= 16)
     return static_cast<__mmask16>(n <= 0 ? 0u : n >= 16 ? 0xFFFFu : (1u << n) - 1u);
   };
   for (int g = 0; g < G; ++g) {
-    uint16_t* pg = reinterpret_cast<uint16_t*>(pairs.data() + g * pstride);
-    for (int64_t j = 0; j < 2 * np; j += 32) {
+    uint16_t* pg = reinterpret_cast<uint16_t*>(pairs + g * pstride);
+    for (int64_t j = 0; j < 2 * pstride; j += 32) {
       const float* p = sc + g * S + j;
       const __m512 lo = _mm512_maskz_loadu_ps(lanes(S - j), p);
       const __m512 hi = _mm512_maskz_loadu_ps(lanes(S - j - 16), p + 16);
       _mm512_storeu_si512(pg + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
-  const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
-                                       36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+}
+
+// vpermt2w indices: the (v_2t[d], v_2t+1[d]) pairs of d = 0..15 from the two keys' 32 d (+ 16: d = 16..31).
+inline __m512i pair_idx_lo() {
+  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35,
+                          3, 34, 2, 33, 1, 32, 0);
+}
+
+template <int G, typename SO>
+void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
+                   int64_t D, SO* out, std::vector<uint32_t>& pairs, RowStream& ahead) {
+  const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
+  pairs.resize(G * pstride + 16);
+  round_pairs<G>(sc, S, pstride, pairs.data());
+  const __m512i ilo = pair_idx_lo();
   const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
   for (int64_t c = 0; c < D; c += 64) {
     __m512 acc[G][4];
@@ -655,6 +667,65 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
     }
   }
 }
+
+// P.V on AMX tiles (with scores_pass_amx: D = 64, the tiles configured to 16 rows). Per 32 keys, C tile c (the G
+// heads' outputs at d = 16 c ..) += P . V_c: the A tile is the G rows of 16 probability pairs as round_pairs lays
+// them out (rows past G are read and their outputs ignored), B tile V_c the 16 key pairs' (v_2t[d], v_2t+1[d]) pairs
+// of those 16 d, interleaved by vpermt2w as pv_pairs_bf16 does (a key past S: v = 0, and its p is 0), into a buffer
+// (two, alternating). The same probabilities as pv_pairs_bf16, summed by TDPBF16PS; on a Sapphire Rapids a
+// VDPBF16PS takes 2 cycles, so that route's 12 per key pair (3 heads) were most of a W1 task's time.
+template <int G, typename SO>
+void pv_pairs_amx(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
+                  SO* out, std::vector<uint32_t>& pairs, RowStream& ahead) {
+  static_assert(G <= 16);
+  const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
+  pairs.resize(16 * pstride + 16);
+  round_pairs<G>(sc, S, pstride, pairs.data());
+  const __m512i ilo = pair_idx_lo();
+  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+  alignas(64) uint16_t vb[2][4][16 * 32];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t0 = 0, i = 0; t0 < np; t0 += 16, ++i) {
+    uint16_t(*b)[16 * 32] = vb[i & 1];
+    const int64_t nt = std::min<int64_t>(16, np - t0);
+    for (int64_t u = 0; u < nt; ++u) {
+      ahead.step(2);
+      const int64_t j = 2 * (t0 + u);
+      const uint16_t* v0 = vc + table[j / BS] * BS * row + (j % BS) * row;
+      const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
+      __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+      if (j + 1 < S) {
+        b0 = _mm512_loadu_si512(v0 + row);
+        b1 = _mm512_loadu_si512(v0 + row + 32);
+      }
+      _mm512_store_si512(b[0] + u * 32, _mm512_permutex2var_epi16(a0, ilo, b0));
+      _mm512_store_si512(b[1] + u * 32, _mm512_permutex2var_epi16(a0, ihi, b0));
+      _mm512_store_si512(b[2] + u * 32, _mm512_permutex2var_epi16(a1, ilo, b1));
+      _mm512_store_si512(b[3] + u * 32, _mm512_permutex2var_epi16(a1, ihi, b1));
+    }
+    for (int64_t u = nt; u < 16; ++u)  // past the last pair: zeros (stale bits could be a NaN; 0 * NaN is NaN)
+      for (int c = 0; c < 4; ++c) _mm512_store_si512(b[c] + u * 32, _mm512_setzero_si512());
+    _tile_loadd(5, pairs.data() + t0, pstride * 4);
+    _tile_loadd(6, b[0], 64);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_loadd(7, b[1], 64);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(6, b[2], 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(7, b[3], 64);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float ct[4][16 * 16];
+  _tile_stored(0, ct[0], 64);
+  _tile_stored(1, ct[1], 64);
+  _tile_stored(2, ct[2], 64);
+  _tile_stored(3, ct[3], 64);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) store16(out + g * 64 + 16 * c, _mm512_load_ps(ct[c] + g * 16));
+}
 #endif
 
 #endif
@@ -690,6 +761,15 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
   if (!done) scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data(), ahead);
   mask_skipped(sc.data(), G, S, skip);
   for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S, stats ? stats + 2 * g : nullptr);
+#if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
+  if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t>) {
+    if (tiles) {  // D = 64, BS % 16 == 0
+      thread_local std::vector<uint32_t> pairs;
+      pv_pairs_amx<G>(sc.data(), vc, table, S, BS, row, out, pairs, ahead);
+      return;
+    }
+  }
+#endif
 #ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
     if (D % 64 == 0 && BS % 2 == 0) {
