@@ -3,7 +3,7 @@ builds of the C++ extension in ONE process, alternating, with 30 layers' caches 
 the engine (a layer's K and V: 18.9 MB at 192 keys), over consecutive and randomly placed cache blocks.
 
     python benchmarks/decode_attention_ab.py A.so [B.so] [--seqs 128] [--keys 192] [--layers 30] [--reps 7]
-        [--heads 9 --kv-heads 3 --head-dim 64] [--no-amx]
+        [--heads 9 --kv-heads 3 --head-dim 64] [--no-amx] [--dtype bfloat16|float32]
 
 A.so / B.so: extension builds (see benchmarks/ab_builds.py for where they are). With two builds the first
 output's largest difference between them is printed as well. Prints ms per layer (median and min of the reps).
@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--no-amx", action="store_true")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the cache's and the queries' dtype (float32: what an AVX2-only CPU runs by default)")
     args = ap.parse_args()
     torch.manual_seed(0)
     mods = [load_build(p) for p in args.builds]
@@ -49,12 +51,13 @@ def main() -> None:
     B, S, H, KVH, D, BS, L = args.seqs, args.keys, args.heads, args.kv_heads, args.head_dim, 16, args.layers
     nb = (S + BS - 1) // BS
     # One allocation for every layer's K and V, as separate tensors of the engine's shape.
-    big = torch.randn(2 * L, B * nb, BS, KVH, D).bfloat16()
+    dt = getattr(torch, args.dtype)
+    big = torch.randn(2 * L, B * nb, BS, KVH, D).to(dt)
     caches = [(big[2 * i], big[2 * i + 1]) for i in range(L)]
     tables = {"consecutive": torch.arange(B * nb, dtype=torch.int64).view(B, nb).contiguous(),
               "random": torch.randperm(B * nb).view(B, nb).contiguous()}
     seq_lens = torch.full((B,), S, dtype=torch.int64)
-    q = torch.randn(B, H, D).bfloat16()
+    q = torch.randn(B, H, D).to(dt)
     rows = torch.empty(0, dtype=torch.int64)
     outs = [torch.empty_like(q) for _ in mods]
     for m, o in zip(mods, outs, strict=True):

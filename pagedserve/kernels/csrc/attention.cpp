@@ -72,6 +72,57 @@ inline void mask_skipped(float* sc, int64_t n, int64_t S, int64_t skip) {
   for (int64_t h = 0; h < n; ++h) std::fill(sc + h * S, sc + h * S + skip, kMaskedScore);
 }
 
+// The K and V rows of one (sequence, partition) of decode attention — the byte range [o0, o1) of each row, the kv
+// heads a thread attends there — asked into L2 a cache line (of K and of V) at a time. A thread of decode_avx512
+// attends its tasks in order and streams the next pair's rows while it computes this one's: the scores and P.V
+// passes call step() as they go (a few lines per few keys), and what is left when the next pair starts is asked
+// for at once (finish). The blocks lie at random places, where no hardware prefetcher follows; a pair's rows
+// (~150 KB for SmolLM2 at 192 keys) fit L2 beside the next one's. On a Sapphire Rapids this took W1's decode
+// attention from 1.9 to 1.05 ms per layer (benchmarks/decode_attention_ab.py), where prefetching a fixed
+// distance ahead inside each task (kept in flight by too few line-fill buffers) overlapped little of the memory
+// with the compute. A thread's first pair is not asked for ahead (`cold`): its passes prefetch their own rows a fixed
+// distance ahead (prefetch_ahead), which overlaps better where a thread has a single pair (one sequence's decode).
+// The AVX2 kernel (legacy::decode_kernel) streams the next sequence's rows the same way.
+struct RowStream {
+  bool cold = true;
+  const char* kc = nullptr;
+  const char* vc = nullptr;
+  const int64_t* table = nullptr;  // the block of the next row
+  int64_t left = 0, BS = 1, rowb = 0, o0 = 0, o1 = 0, jb = 0, o = 0, at = 0;  // at: the next row's byte offset
+
+  void start(const void* k, const void* v, const int64_t* t, int64_t keys, int64_t bs, int64_t row_bytes,
+             int64_t first_byte, int64_t end_byte) {
+    kc = static_cast<const char*>(k);
+    vc = static_cast<const char*>(v);
+    table = t;
+    left = keys;
+    BS = bs;
+    rowb = row_bytes;
+    o0 = o = first_byte / 64 * 64;
+    o1 = end_byte;
+    jb = 0;
+    at = keys > 0 ? table[0] * BS * rowb : 0;
+  }
+  void stop() { left = 0; }
+  inline void step(int64_t lines) {
+    for (; lines > 0 && left > 0; --lines) {
+      __builtin_prefetch(kc + at + o, 0, 2);  // prefetcht1
+      __builtin_prefetch(vc + at + o, 0, 2);
+      o += 64;
+      if (o >= o1) {
+        o = o0;
+        if (--left == 0) break;
+        if (++jb == BS) {
+          jb = 0;
+          ++table;
+        }
+        at = (table[0] * BS + jb) * rowb;
+      }
+    }
+  }
+  void finish() { step(INT64_MAX); }
+};
+
 namespace legacy {
 
 template <typename T>
@@ -126,13 +177,27 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
   const int64_t row = KVH * D;              // elements per token slot in a block
   const int64_t block_stride = block_size * row;
   // One task per sequence: each token's K (and V) row of all kv heads is read once, contiguously.
+  // Each thread streams the next sequence's K and V rows into L2 while it attends this one (RowStream): steps
+  // spread over both passes, what is left asked for when the next sequence starts.
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
+  const int64_t lines = (row_bytes + 63) / 64;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(H * D);
+    RowStream ahead;
     for (int64_t b = begin; b < end; ++b) {
       const WindowSpan span = window_span(block_tables + b * max_blocks, seq_lens[b], block_size, window);
       const int64_t S = span.S;
       const int64_t* table = span.table;
+      ahead.finish();
+      if (b + 1 < end) {
+        const WindowSpan next = window_span(block_tables + (b + 1) * max_blocks, seq_lens[b + 1], block_size, window);
+        ahead.start(k_cache, v_cache, next.table, next.S, block_size, row_bytes, 0, row_bytes);
+      } else {
+        ahead.stop();
+      }
+      // lines per key of each pass: the next sequence's rows (its S' keys x lines) over this one's 2 S key visits
+      const int64_t per_key = std::max<int64_t>(1, (ahead.left * lines + 2 * S - 1) / std::max<int64_t>(1, 2 * S));
       scores.resize(H * S);
       const float* qb = q + b * H * D;
       // Walk the block table block by block (no division per token); head h's scores are row h.
@@ -140,6 +205,7 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
         const T* base = k_cache + table[j0 / block_size] * block_stride;
         const int64_t n = std::min(block_size, S - j0);
         for (int64_t t = 0; t < n; ++t) {
+          ahead.step(per_key);
           for (int64_t kvh = 0; kvh < KVH; ++kvh) {
             group_dots(qb + kvh * group * D, base + t * row + kvh * D, group, D, scale,
                        scores.data() + kvh * group * S + j0 + t, S);
@@ -153,6 +219,7 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
         const T* base = v_cache + table[j0 / block_size] * block_stride;
         const int64_t n = std::min(block_size, S - j0);
         for (int64_t t = 0; t < n; ++t) {
+          ahead.step(per_key);
           for (int64_t h = 0; h < H; ++h) {
             const T* vrow = base + t * row + (h / group) * D;
             const float p = scores[h * S + j0 + t];
@@ -359,55 +426,6 @@ namespace {
 constexpr int64_t kMaxGroupChunk = 8;
 constexpr int64_t kMaxHeadDim = 512;
 #ifdef PAGEDSERVE_AVX512
-// The K and V rows of one (sequence, partition) of decode attention — the byte range [o0, o1) of each row, the kv
-// heads a thread attends there — asked into L2 a cache line (of K and of V) at a time. A thread of decode_avx512
-// attends its tasks in order and streams the next pair's rows while it computes this one's: the scores and P.V
-// passes call step() as they go (a few lines per few keys), and what is left when the next pair starts is asked
-// for at once (finish). The blocks lie at random places, where no hardware prefetcher follows; a pair's rows
-// (~150 KB for SmolLM2 at 192 keys) fit L2 beside the next one's. On a Sapphire Rapids this took W1's decode
-// attention from 1.9 to 1.05 ms per layer (benchmarks/decode_attention_ab.py), where prefetching a fixed
-// distance ahead inside each task (kept in flight by too few line-fill buffers) overlapped little of the memory
-// with the compute. A thread's first pair is not asked for ahead (`cold`): its passes prefetch their own rows a fixed
-// distance ahead (prefetch_ahead), which overlaps better where a thread has a single pair (one sequence's decode).
-struct RowStream {
-  bool cold = true;
-  const char* kc = nullptr;
-  const char* vc = nullptr;
-  const int64_t* table = nullptr;  // the block of the next row
-  int64_t left = 0, BS = 1, rowb = 0, o0 = 0, o1 = 0, jb = 0, o = 0, at = 0;  // at: the next row's byte offset
-
-  void start(const void* k, const void* v, const int64_t* t, int64_t keys, int64_t bs, int64_t row_bytes,
-             int64_t first_byte, int64_t end_byte) {
-    kc = static_cast<const char*>(k);
-    vc = static_cast<const char*>(v);
-    table = t;
-    left = keys;
-    BS = bs;
-    rowb = row_bytes;
-    o0 = o = first_byte / 64 * 64;
-    o1 = end_byte;
-    jb = 0;
-    at = keys > 0 ? table[0] * BS * rowb : 0;
-  }
-  void stop() { left = 0; }
-  inline void step(int64_t lines) {
-    for (; lines > 0 && left > 0; --lines) {
-      _mm_prefetch(kc + at + o, _MM_HINT_T1);
-      _mm_prefetch(vc + at + o, _MM_HINT_T1);
-      o += 64;
-      if (o >= o1) {
-        o = o0;
-        if (--left == 0) break;
-        if (++jb == BS) {
-          jb = 0;
-          ++table;
-        }
-        at = (table[0] * BS + jb) * rowb;
-      }
-    }
-  }
-  void finish() { step(INT64_MAX); }
-};
 
 // A cold pair's float32 passes (see RowStream): the next cache block's rows of this kv head (its D elements from
 // base, n keys), into L1.
