@@ -169,6 +169,85 @@ inline void group_dots(const float* qb, const T* krow, int64_t group, int64_t D,
   }
 }
 
+#ifdef __AVX2__
+// Lane t = hsum8(a[t]) for t < 8: the same additions in the same order (v_i + v_i+4, then lanes 0 + 2 and 1 + 3,
+// then those two), eight keys' at once.
+inline __m256 hsum8x8(const __m256* a) {
+  __m256 s[4];
+  for (int t = 0; t < 4; ++t)
+    s[t] = _mm256_add_ps(_mm256_permute2f128_ps(a[t], a[t + 4], 0x20), _mm256_permute2f128_ps(a[t], a[t + 4], 0x31));
+  const __m256 r01 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 r23 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The legacy kernel's passes for D % 8 == 0, the same bits as group_dots and the key-by-key P.V: scores of one head
+// eight keys at a time (eight FMA chains over d, then hsum8x8); P.V of G <= 3 heads of one kv head over 8 * NV of
+// their d, accumulated in registers key by key (the same FMA chain per output as `a[d] += p * v[d]`).
+template <typename T>
+void legacy_scores(const float* qg, const T* kc, const int64_t* table, int64_t S, int64_t BS, int64_t block_stride,
+                   int64_t row, int64_t D, float scale, float* out, RowStream& ahead, int64_t per) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t j0 = 0;
+  for (; j0 + 8 <= S; j0 += 8) {
+    ahead.step(per);
+    const T* kr[8];
+    for (int t = 0; t < 8; ++t) kr[t] = kc + table[(j0 + t) / BS] * block_stride + ((j0 + t) % BS) * row;
+    __m256 a[8];
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(qg + d);
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, load8(kr[t] + d), a[t]);
+    }
+    _mm256_storeu_ps(out + j0, _mm256_mul_ps(hsum8x8(a), sv));
+  }
+  for (; j0 < S; ++j0) {
+    ahead.step(per);
+    const T* k = kc + table[j0 / BS] * block_stride + (j0 % BS) * row;
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(k + d), a);
+    out[j0] = hsum8(a) * scale;
+  }
+}
+
+template <typename T, int G, int NV>
+void legacy_pv(const float* p, int64_t S, const T* vc, const int64_t* table, int64_t BS, int64_t block_stride,
+               int64_t row, int64_t D, float* o, RowStream& ahead, int64_t per) {
+  __m256 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < S; j0 += BS) {
+    const T* base = vc + table[j0 / BS] * block_stride;
+    const int64_t n = std::min(BS, S - j0);
+    for (int64_t t = 0; t < n; ++t) {
+      ahead.step(per);
+      __m256 v[NV];
+      for (int c = 0; c < NV; ++c) v[c] = load8(base + t * row + 8 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m256 pv = _mm256_set1_ps(p[g * S + j0 + t]);
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_fmadd_ps(pv, v[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + g * D + 8 * c, acc[g][c]);
+}
+
+template <typename T, int G>
+void legacy_pv_g(int nv, const float* p, int64_t S, const T* vc, const int64_t* table, int64_t BS,
+                 int64_t block_stride, int64_t row, int64_t D, float* o, RowStream& ahead, int64_t per) {
+  switch (nv) {
+    case 1: legacy_pv<T, G, 1>(p, S, vc, table, BS, block_stride, row, D, o, ahead, per); break;
+    case 2: legacy_pv<T, G, 2>(p, S, vc, table, BS, block_stride, row, D, o, ahead, per); break;
+    case 3: legacy_pv<T, G, 3>(p, S, vc, table, BS, block_stride, row, D, o, ahead, per); break;
+    default: legacy_pv<T, G, 4>(p, S, vc, table, BS, block_stride, row, D, o, ahead, per); break;
+  }
+}
+#endif
+
 template <typename T>
 void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
@@ -196,10 +275,37 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
       } else {
         ahead.stop();
       }
+      const float* qb = q + b * H * D;
+      scores.resize(H * S);
+#ifdef __AVX2__
+      if (D % 8 == 0) {  // the register passes (legacy_scores, legacy_pv): the loops' bits (groups up to kMaxGroup)
+        const int64_t calls = KVH * group * (S / 8 + S % 8) + KVH * ((group + 2) / 3) * ((D + 31) / 32) * S;
+        const int64_t per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
+        for (int64_t h = 0; h < H; ++h)
+          legacy_scores(qb + h * D, k_cache + (h / group) * D, table, S, block_size, block_stride, row, D, scale,
+                        scores.data() + h * S, ahead, per);
+        mask_skipped(scores.data(), H, S, span.skip);
+        for (int64_t h = 0; h < H; ++h) softmax_inplace(scores.data() + h * S, S);
+        for (int64_t kvh = 0; kvh < KVH; ++kvh)
+          for (int64_t g0 = 0; g0 < group; g0 += 3) {
+            const int64_t h0 = kvh * group + g0;
+            for (int64_t c0 = 0; c0 < D; c0 += 32) {
+              const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 8));
+              const float* p = scores.data() + h0 * S;
+              const T* vc = v_cache + kvh * D + c0;
+              float* o = out + b * H * D + h0 * D + c0;
+              switch (std::min<int64_t>(3, group - g0)) {
+                case 1: legacy_pv_g<T, 1>(nv, p, S, vc, table, block_size, block_stride, row, D, o, ahead, per); break;
+                case 2: legacy_pv_g<T, 2>(nv, p, S, vc, table, block_size, block_stride, row, D, o, ahead, per); break;
+                default: legacy_pv_g<T, 3>(nv, p, S, vc, table, block_size, block_stride, row, D, o, ahead, per); break;
+              }
+            }
+          }
+        continue;
+      }
+#endif
       // lines per key of each pass: the next sequence's rows (its S' keys x lines) over this one's 2 S key visits
       const int64_t per_key = std::max<int64_t>(1, (ahead.left * lines + 2 * S - 1) / std::max<int64_t>(1, 2 * S));
-      scores.resize(H * S);
-      const float* qb = q + b * H * D;
       // Walk the block table block by block (no division per token); head h's scores are row h.
       for (int64_t j0 = 0; j0 < S; j0 += block_size) {
         const T* base = k_cache + table[j0 / block_size] * block_stride;
