@@ -205,13 +205,14 @@ def test_paged_decode_attention(kernels, dtype, H, KVH, D):
 
 
 @pytest.mark.parametrize("amx", [pytest.param(False, id="vdpbf16ps"), pytest.param(True, id="amx")])
-@pytest.mark.parametrize(("H", "KVH"), [(9, 3), (12, 1), (2, 2)])
-def test_paged_decode_attention_bf16_with_16_key_blocks(kernels, amx, H, KVH):
-    """bf16 queries and cache, D = 64, 16-token blocks: where AMX is active the scores run on tiles (a cache block's
-    16 K rows as an A tile, two 16-key runs at a time, the last run partial); both routes match the reference."""
+@pytest.mark.parametrize(("H", "KVH", "D"), [(9, 3, 64), (12, 1, 64), (2, 2, 64), (8, 2, 128), (4, 1, 256)])
+def test_paged_decode_attention_bf16_with_16_key_blocks(kernels, amx, H, KVH, D):
+    """bf16 queries and cache, D a multiple of 64, 16-token blocks: where AMX is active the scores and P.V run on
+    tiles (a cache block's 16 K rows as D / 32 A tiles, two 16-key runs at a time, the last run partial; P.V 64 d at
+    a time over interleaved V pairs); both routes match the reference."""
     if amx and not kernels.amx_active():
         pytest.skip("no AMX on this CPU (or not granted)")
-    B, BS, D, dtype = 6, 16, 64, torch.bfloat16
+    B, BS, dtype = 6, 16, torch.bfloat16
     lens, tables, kc, vc, g = paged_setup(B, H, KVH, D, BS, dtype, seed=H + 7 * KVH)
     lens[0], lens[1] = 1, 33  # one key; two full 16-key runs and one key of a third
     q = torch.randn(B, H, D, generator=g).to(dtype)

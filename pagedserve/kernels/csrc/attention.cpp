@@ -733,25 +733,31 @@ void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, in
 }
 
 #ifdef PAGEDSERVE_AMX
-// The same scores on AMX tiles (amx_active; D = 64; the calling task has the tiles configured to 16 rows):
-// S^T = K Q^T per 16 keys. A cache block's 16 K rows of this kv head are two A tiles as they lie (row stride
-// `row`), the G query heads' q two B tiles ((d, d + 1) pairs, [d / 2][16 columns], columns past G zero) loaded once
-// per call, so each score is one chain of two TDPBF16PS; column g of a C tile (16 keys) is head g's scores. Two
-// 16-key runs at a time on their own A and C tiles (AMX does not rename tiles: one C tile's chain, store and
-// read-back serialize). Needs the cache block size to be a multiple of 16 (16 keys never straddle two blocks).
+// The same scores on AMX tiles (amx_active; D % 64 == 0; the calling task has the tiles configured to 16 rows):
+// S^T = K Q^T per 16 keys. A cache block's 16 K rows of this kv head are D / 32 A tiles as they lie (row stride
+// `row`), the G query heads' q as many B tiles ((d, d + 1) pairs, [d / 2][16 columns], columns past G zero; for
+// D = 64 the two loaded once per call), so each score is one chain of D / 32 TDPBF16PS over the d chunks in order;
+// column g of a C tile (16 keys) is head g's scores. Two 16-key runs at a time on their own A and C tiles (AMX does
+// not rename tiles: one C tile's chain, store and read-back serialize). Needs the cache block size to be a multiple
+// of 16 (16 keys never straddle two blocks).
 template <int G>
 void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t S,
                      int64_t BS, int64_t row, int64_t D, float scale, float* sc, RowStream& ahead) {
   static_assert(G <= 16);
-  alignas(64) uint16_t qb[2][16 * 32] = {};
-  for (int c = 0; c < 2; ++c)
+  const int64_t nd = D / 32;  // D % 64 == 0: the d chunks go in pairs
+  alignas(64) uint16_t qb[kMaxHeadDim / 32][16 * 32];
+  std::memset(qb, 0, sizeof(uint16_t) * 16 * 32 * nd);
+  for (int64_t c = 0; c < nd; ++c)
     for (int kk = 0; kk < 16; ++kk)
       for (int g = 0; g < G; ++g) {
         qb[c][kk * 32 + 2 * g] = q[g * D + 32 * c + 2 * kk];
         qb[c][kk * 32 + 2 * g + 1] = q[g * D + 32 * c + 2 * kk + 1];
       }
-  _tile_loadd(6, qb[0], 64);
-  _tile_loadd(7, qb[1], 64);
+  const bool hoist = nd == 2;  // D = 64: the two B tiles once per call
+  if (hoist) {
+    _tile_loadd(6, qb[0], 64);
+    _tile_loadd(7, qb[1], 64);
+  }
   alignas(64) float ct[2][16 * 16];
   const __m512i col = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
   const __m512 sv = _mm512_set1_ps(scale);
@@ -760,27 +766,32 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
     if (ahead.cold) prefetch_ahead(kc, vc, table, S, BS, row, D, j0, 32);
     ahead.step(8);
     const uint16_t* k0 = kc + table[j0 / BS] * BS * row + (j0 % BS) * row;
-    _tile_zero(0);
-    _tile_loadd(2, k0, rb);
-    _tile_loadd(3, k0 + 32, rb);
     const bool two = j0 + 16 < S;
-    if (two) {
-      const int64_t j1 = j0 + 16;
-      const uint16_t* k1 = kc + table[j1 / BS] * BS * row + (j1 % BS) * row;
-      _tile_zero(1);
-      _tile_loadd(4, k1, rb);
-      _tile_loadd(5, k1 + 32, rb);
-      _tile_dpbf16ps(0, 2, 6);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_dpbf16ps(0, 3, 7);
-      _tile_dpbf16ps(1, 5, 7);
-      _tile_stored(0, ct[0], 64);
-      _tile_stored(1, ct[1], 64);
-    } else {
-      _tile_dpbf16ps(0, 2, 6);
-      _tile_dpbf16ps(0, 3, 7);
-      _tile_stored(0, ct[0], 64);
+    const int64_t j1 = j0 + 16;
+    const uint16_t* k1 = two ? kc + table[j1 / BS] * BS * row + (j1 % BS) * row : k0;
+    _tile_zero(0);
+    if (two) _tile_zero(1);
+    for (int64_t c = 0; c < nd; c += 2) {  // each score: one chain over the d chunks in order
+      if (!hoist) {
+        _tile_loadd(6, qb[c], 64);
+        _tile_loadd(7, qb[c + 1], 64);
+      }
+      _tile_loadd(2, k0 + 32 * c, rb);
+      _tile_loadd(3, k0 + 32 * (c + 1), rb);
+      if (two) {
+        _tile_loadd(4, k1 + 32 * c, rb);
+        _tile_loadd(5, k1 + 32 * (c + 1), rb);
+        _tile_dpbf16ps(0, 2, 6);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(0, 3, 7);
+        _tile_dpbf16ps(1, 5, 7);
+      } else {
+        _tile_dpbf16ps(0, 2, 6);
+        _tile_dpbf16ps(0, 3, 7);
+      }
     }
+    _tile_stored(0, ct[0], 64);
+    if (two) _tile_stored(1, ct[1], 64);
     for (int h = 0; h < (two ? 2 : 1); ++h) {
       const int64_t js = j0 + 16 * h, n = std::min<int64_t>(16, S - js);
       const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
@@ -792,15 +803,15 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
   }
 }
 
-// P.V on AMX tiles (with scores_pass_amx: D = 64, the tiles configured to 16 rows). Per 32 keys, C tile c (the G
-// heads' outputs at d = 16 c ..) += P . V_c: the A tile is the G rows of 16 probability pairs as round_pairs lays
+// P.V on AMX tiles (with scores_pass_amx: D % 64 == 0, the tiles configured to 16 rows), 64 d at a time (a pass over
+// the keys each). Per 32 keys, C tile c (the G heads' outputs at d = d0 + 16 c ..) += P . V_c: the A tile is the G rows of 16 probability pairs as round_pairs lays
 // them out (rows past G are read and their outputs ignored), B tile V_c the 16 key pairs' (v_2t[d], v_2t+1[d]) pairs
 // of those 16 d, interleaved by vpermt2w as pv_pairs_bf16 does (a key past S: v = 0, and its p is 0), into a buffer
 // (two, alternating). The same probabilities as pv_pairs_bf16, summed by TDPBF16PS; on a Sapphire Rapids a
 // VDPBF16PS takes 2 cycles, so that route's 12 per key pair (3 heads) were most of a W1 task's time.
 template <int G, typename SO>
 void pv_pairs_amx(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
-                  SO* out, std::vector<uint32_t>& pairs, RowStream& ahead) {
+                  int64_t D, SO* out, std::vector<uint32_t>& pairs, RowStream& ahead) {
   static_assert(G <= 16);
   const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
   pairs.resize(16 * pstride + 16);
@@ -808,47 +819,49 @@ void pv_pairs_amx(const float* sc, const uint16_t* vc, const int64_t* table, int
   const __m512i ilo = pair_idx_lo();
   const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
   alignas(64) uint16_t vb[2][4][16 * 32];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t t0 = 0, i = 0; t0 < np; t0 += 16, ++i) {
-    uint16_t(*b)[16 * 32] = vb[i & 1];
-    const int64_t nt = std::min<int64_t>(16, np - t0);
-    for (int64_t u = 0; u < nt; ++u) {
-      ahead.step(2);
-      const int64_t j = 2 * (t0 + u);
-      const uint16_t* v0 = vc + table[j / BS] * BS * row + (j % BS) * row;
-      const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
-      __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
-      if (j + 1 < S) {
-        b0 = _mm512_loadu_si512(v0 + row);
-        b1 = _mm512_loadu_si512(v0 + row + 32);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 64 d at a time (4 C tiles), each a pass over the keys
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t0 = 0, i = 0; t0 < np; t0 += 16, ++i) {
+      uint16_t(*b)[16 * 32] = vb[i & 1];
+      const int64_t nt = std::min<int64_t>(16, np - t0);
+      for (int64_t u = 0; u < nt; ++u) {
+        ahead.step(2);
+        const int64_t j = 2 * (t0 + u);
+        const uint16_t* v0 = vc + table[j / BS] * BS * row + (j % BS) * row + d0;
+        const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
+        __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+        if (j + 1 < S) {
+          b0 = _mm512_loadu_si512(v0 + row);
+          b1 = _mm512_loadu_si512(v0 + row + 32);
+        }
+        _mm512_store_si512(b[0] + u * 32, _mm512_permutex2var_epi16(a0, ilo, b0));
+        _mm512_store_si512(b[1] + u * 32, _mm512_permutex2var_epi16(a0, ihi, b0));
+        _mm512_store_si512(b[2] + u * 32, _mm512_permutex2var_epi16(a1, ilo, b1));
+        _mm512_store_si512(b[3] + u * 32, _mm512_permutex2var_epi16(a1, ihi, b1));
       }
-      _mm512_store_si512(b[0] + u * 32, _mm512_permutex2var_epi16(a0, ilo, b0));
-      _mm512_store_si512(b[1] + u * 32, _mm512_permutex2var_epi16(a0, ihi, b0));
-      _mm512_store_si512(b[2] + u * 32, _mm512_permutex2var_epi16(a1, ilo, b1));
-      _mm512_store_si512(b[3] + u * 32, _mm512_permutex2var_epi16(a1, ihi, b1));
+      for (int64_t u = nt; u < 16; ++u)  // past the last pair: zeros (stale bits could be a NaN; 0 * NaN is NaN)
+        for (int c = 0; c < 4; ++c) _mm512_store_si512(b[c] + u * 32, _mm512_setzero_si512());
+      _tile_loadd(5, pairs.data() + t0, pstride * 4);
+      _tile_loadd(6, b[0], 64);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_loadd(7, b[1], 64);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(6, b[2], 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, b[3], 64);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    for (int64_t u = nt; u < 16; ++u)  // past the last pair: zeros (stale bits could be a NaN; 0 * NaN is NaN)
-      for (int c = 0; c < 4; ++c) _mm512_store_si512(b[c] + u * 32, _mm512_setzero_si512());
-    _tile_loadd(5, pairs.data() + t0, pstride * 4);
-    _tile_loadd(6, b[0], 64);
-    _tile_dpbf16ps(0, 5, 6);
-    _tile_loadd(7, b[1], 64);
-    _tile_dpbf16ps(1, 5, 7);
-    _tile_loadd(6, b[2], 64);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_loadd(7, b[3], 64);
-    _tile_dpbf16ps(3, 5, 7);
+    alignas(64) float ct[4][16 * 16];
+    _tile_stored(0, ct[0], 64);
+    _tile_stored(1, ct[1], 64);
+    _tile_stored(2, ct[2], 64);
+    _tile_stored(3, ct[3], 64);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) store16(out + g * D + d0 + 16 * c, _mm512_load_ps(ct[c] + g * 16));
   }
-  alignas(64) float ct[4][16 * 16];
-  _tile_stored(0, ct[0], 64);
-  _tile_stored(1, ct[1], 64);
-  _tile_stored(2, ct[2], 64);
-  _tile_stored(3, ct[3], 64);
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) store16(out + g * 64 + 16 * c, _mm512_load_ps(ct[c] + g * 16));
 }
 #endif
 
@@ -887,9 +900,9 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
   for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S, stats ? stats + 2 * g : nullptr);
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t>) {
-    if (tiles) {  // D = 64, BS % 16 == 0
+    if (tiles) {  // D % 64 == 0, BS % 16 == 0
       thread_local std::vector<uint32_t> pairs;
-      pv_pairs_amx<G>(sc.data(), vc, table, S, BS, row, out, pairs, ahead);
+      pv_pairs_amx<G>(sc.data(), vc, table, S, BS, row, D, out, pairs, ahead);
       return;
     }
   }
@@ -964,11 +977,11 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
   const int64_t group = H / KVH;
   const int64_t chunks = (group + kMaxGroupChunk - 1) / kMaxGroupChunk;
   const int64_t row = KVH * D;
-  // The scores on AMX tiles where they run (bf16 query and cache, D = 64, 16-key runs inside cache blocks).
+  // Scores and P.V on AMX tiles where they run (bf16 query and cache, D % 64 == 0, 16-key runs inside cache blocks).
   bool use_tiles = false;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
-  use_tiles = std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && D == 64 && BS % 16 == 0 &&
-              amx_active();
+  use_tiles = std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && D % 64 == 0 && D <= kMaxHeadDim &&
+              BS % 16 == 0 && amx_active();
 #endif
   // The (sequence, partition) pairs in order; a sequence split into P > 1 partitions owns the partial results
   // first_part[b] .. + P - 1 (-1: not split, written straight into out).
