@@ -692,11 +692,27 @@ inline void round_pairs(const float* sc, int64_t S, int64_t pstride, uint32_t* p
   }
 }
 
-// vpermt2w indices: the (v_2t[d], v_2t+1[d]) pairs of d = 0..15 from the two keys' 32 d (+ 16: d = 16..31).
-inline __m512i pair_idx_lo() {
-  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35,
-                          3, 34, 2, 33, 1, 32, 0);
-}
+// The V rows of keys j and j + 1 (j even: one cache block, BS being even) at d0 .. d0 + 63 as (v_j[d], v_j+1[d])
+// pairs, 16 d per vector (vpermt2w); key j + 1 past S: v = 0 (its p is 0 too).
+struct VPairs {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                      5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  inline void get(const uint16_t* vc, const int64_t* table, int64_t j, int64_t S, int64_t BS, int64_t row, int64_t d0,
+                  __m512i w[4]) const {
+    const uint16_t* v0 = vc + table[j / BS] * BS * row + (j % BS) * row + d0;
+    const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
+    __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+    if (j + 1 < S) {
+      b0 = _mm512_loadu_si512(v0 + row);
+      b1 = _mm512_loadu_si512(v0 + row + 32);
+    }
+    w[0] = _mm512_permutex2var_epi16(a0, lo, b0);
+    w[1] = _mm512_permutex2var_epi16(a0, hi, b0);
+    w[2] = _mm512_permutex2var_epi16(a1, lo, b1);
+    w[3] = _mm512_permutex2var_epi16(a1, hi, b1);
+  }
+};
 
 template <int G, typename SO>
 void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
@@ -704,28 +720,18 @@ void pv_pairs_bf16(const float* sc, const uint16_t* vc, const int64_t* table, in
   const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
   pairs.resize(G * pstride + 16);
   round_pairs<G>(sc, S, pstride, pairs.data());
-  const __m512i ilo = pair_idx_lo();
-  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+  const VPairs vp;
   for (int64_t c = 0; c < D; c += 64) {
     __m512 acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int k = 0; k < 4; ++k) acc[g][k] = _mm512_setzero_ps();
     for (int64_t t = 0; t < np; ++t) {
       ahead.step(2);
-      const int64_t j = 2 * t;
-      const uint16_t* v0 = vc + table[j / BS] * BS * row + (j % BS) * row + c;
-      const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
-      __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
-      if (j + 1 < S) {
-        b0 = _mm512_loadu_si512(v0 + row);
-        b1 = _mm512_loadu_si512(v0 + row + 32);
-      }
-      const __m512bh w[4] = {(__m512bh)_mm512_permutex2var_epi16(a0, ilo, b0),
-                             (__m512bh)_mm512_permutex2var_epi16(a0, ihi, b0),
-                             (__m512bh)_mm512_permutex2var_epi16(a1, ilo, b1),
-                             (__m512bh)_mm512_permutex2var_epi16(a1, ihi, b1)};
+      __m512i w[4];
+      vp.get(vc, table, 2 * t, S, BS, row, c, w);
       for (int g = 0; g < G; ++g)
-        for (int k = 0; k < 4; ++k) acc[g][k] = dpbf16_bcast(acc[g][k], pairs.data() + g * pstride + t, w[k]);
+        for (int k = 0; k < 4; ++k)
+          acc[g][k] = dpbf16_bcast(acc[g][k], pairs.data() + g * pstride + t, (__m512bh)w[k]);
     }
     for (int g = 0; g < G; ++g)
       for (int k = 0; k < 4; ++k) store16(out + g * D + c + 16 * k, acc[g][k]);
@@ -804,10 +810,9 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
 }
 
 // P.V on AMX tiles (with scores_pass_amx: D % 64 == 0, the tiles configured to 16 rows), 64 d at a time (a pass over
-// the keys each). Per 32 keys, C tile c (the G heads' outputs at d = d0 + 16 c ..) += P . V_c: the A tile is the G rows of 16 probability pairs as round_pairs lays
-// them out (rows past G are read and their outputs ignored), B tile V_c the 16 key pairs' (v_2t[d], v_2t+1[d]) pairs
-// of those 16 d, interleaved by vpermt2w as pv_pairs_bf16 does (a key past S: v = 0, and its p is 0), into a buffer
-// (two, alternating). The same probabilities as pv_pairs_bf16, summed by TDPBF16PS; on a Sapphire Rapids a
+// the keys each). Per 32 keys, C tile c (the G heads' outputs at d = d0 + 16 c ..) += P . V_c: the A tile is the G
+// rows of 16 probability pairs as round_pairs lays them out (rows past G are read and their outputs ignored), B tile
+// V_c the 16 key pairs' VPairs of those 16 d, stored into a buffer (two, alternating). The same probabilities as pv_pairs_bf16, summed by TDPBF16PS; on a Sapphire Rapids a
 // VDPBF16PS takes 2 cycles, so that route's 12 per key pair (3 heads) were most of a W1 task's time.
 template <int G, typename SO>
 void pv_pairs_amx(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
@@ -816,8 +821,7 @@ void pv_pairs_amx(const float* sc, const uint16_t* vc, const int64_t* table, int
   const int64_t np = (S + 1) / 2, pstride = (np + 15) / 16 * 16;
   pairs.resize(16 * pstride + 16);
   round_pairs<G>(sc, S, pstride, pairs.data());
-  const __m512i ilo = pair_idx_lo();
-  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+  const VPairs vp;
   alignas(64) uint16_t vb[2][4][16 * 32];
   for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 64 d at a time (4 C tiles), each a pass over the keys
     _tile_zero(0);
@@ -829,18 +833,9 @@ void pv_pairs_amx(const float* sc, const uint16_t* vc, const int64_t* table, int
       const int64_t nt = std::min<int64_t>(16, np - t0);
       for (int64_t u = 0; u < nt; ++u) {
         ahead.step(2);
-        const int64_t j = 2 * (t0 + u);
-        const uint16_t* v0 = vc + table[j / BS] * BS * row + (j % BS) * row + d0;
-        const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
-        __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
-        if (j + 1 < S) {
-          b0 = _mm512_loadu_si512(v0 + row);
-          b1 = _mm512_loadu_si512(v0 + row + 32);
-        }
-        _mm512_store_si512(b[0] + u * 32, _mm512_permutex2var_epi16(a0, ilo, b0));
-        _mm512_store_si512(b[1] + u * 32, _mm512_permutex2var_epi16(a0, ihi, b0));
-        _mm512_store_si512(b[2] + u * 32, _mm512_permutex2var_epi16(a1, ilo, b1));
-        _mm512_store_si512(b[3] + u * 32, _mm512_permutex2var_epi16(a1, ihi, b1));
+        __m512i w[4];
+        vp.get(vc, table, 2 * (t0 + u), S, BS, row, d0, w);
+        for (int c = 0; c < 4; ++c) _mm512_store_si512(b[c] + u * 32, w[c]);
       }
       for (int64_t u = nt; u < 16; ++u)  // past the last pair: zeros (stale bits could be a NaN; 0 * NaN is NaN)
         for (int c = 0; c < 4; ++c) _mm512_store_si512(b[c] + u * 32, _mm512_setzero_si512());
@@ -898,21 +893,20 @@ void attend_chunk(const float* qf, const SQ* qraw, float scale, const SC* kc, co
   if (!done) scores_pass<G>(qf, kc, table, S, BS, row, D, sc.data(), ahead);
   mask_skipped(sc.data(), G, S, skip);
   for (int g = 0; g < G; ++g) softmax_inplace(sc.data() + g * S, S, stats ? stats + 2 * g : nullptr);
-#if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
+#ifdef PAGEDSERVE_DECODE_BF16
   if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t>) {
+    thread_local std::vector<uint32_t> pairs;
+#ifdef PAGEDSERVE_AMX
     if (tiles) {  // D % 64 == 0, BS % 16 == 0
-      thread_local std::vector<uint32_t> pairs;
       pv_pairs_amx<G>(sc.data(), vc, table, S, BS, row, D, out, pairs, ahead);
       return;
     }
-  }
 #endif
-#ifdef PAGEDSERVE_DECODE_BF16
-  if constexpr (std::is_same_v<SC, uint16_t> && std::is_same_v<SQ, uint16_t> && G <= 4) {
-    if (D % 64 == 0 && BS % 2 == 0) {
-      thread_local std::vector<uint32_t> pairs;
-      pv_pairs_bf16<G>(sc.data(), vc, table, S, BS, row, D, out, pairs, ahead);
-      return;
+    if constexpr (G <= 4) {
+      if (D % 64 == 0 && BS % 2 == 0) {
+        pv_pairs_bf16<G>(sc.data(), vc, table, S, BS, row, D, out, pairs, ahead);
+        return;
+      }
     }
   }
 #endif
