@@ -121,9 +121,10 @@ def test_gelu_tanh_and_mul(kernels, dtype):
         assert (out.float() - ref.float())[~body].abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("D", [32, 64, 40])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_rotary_write_kv(kernels, dtype):
-    T, H, KVH, D, BS, NB = 11, 6, 2, 32, 4, 20
+def test_rotary_write_kv(kernels, dtype, D):
+    T, H, KVH, BS, NB = 11, 6, 2, 4, 20
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
     pos = torch.randint(0, 500, (T,), generator=g)
@@ -143,6 +144,30 @@ def test_rotary_write_kv(kernels, dtype):
     assert kc.abs().sum() > 0
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.rotary_write_kv(qkv, cos, sin, kc, vc, slots + NB * BS, H, KVH)
+
+
+def test_rotary_write_kv_bf16_bits(kernels):
+    """The AVX-512 bf16 path's bits: x1 c - (x2 s) and x2 c + (x1 s), each product in parentheses rounded to float32
+    and the rest one fused multiply-add (emulated in float64: exact here, then rounded once), then bf16 -- what the
+    scalar loop compiles to. Enough rows that a rounding order other than this one shows (plain products and a
+    subtraction differ from it in a few of these elements)."""
+    if not kernels.has_avx512():
+        pytest.skip("the scalar loop's contraction is the compiler's choice")
+    T, H, KVH, D = 512, 6, 2, 64
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).bfloat16()
+    ang = torch.randint(0, 4096, (T,), generator=g).float().unsqueeze(1) * (
+        1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+    cos, sin = ang.cos(), ang.sin()
+    x = qkv[:, : (H + KVH) * D].float().reshape(T, H + KVH, 2, D // 2).double()
+    x1, x2, c, s = x[:, :, 0], x[:, :, 1], cos.double()[:, None], sin.double()[:, None]
+    f32 = lambda v: v.float().double()  # noqa: E731
+    want = torch.stack([x1 * c - f32(x2 * s), x2 * c + f32(x1 * s)], dim=2).float().bfloat16()
+    plain = torch.stack([f32(x1 * c) - f32(x2 * s), f32(x2 * c) + f32(x1 * s)], dim=2).float().bfloat16()
+    assert not torch.equal(want, plain)
+    kc = torch.zeros(T // 16, 16, KVH, D).bfloat16()
+    kernels.rotary_write_kv(qkv, cos, sin, kc, torch.zeros_like(kc), torch.arange(T), H, KVH)
+    assert torch.equal(qkv[:, : (H + KVH) * D].reshape(T, H + KVH, 2, D // 2), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)

@@ -176,6 +176,26 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
         S* tok = base + t * qs;
         const float* c = cp + t * half;
         const float* s = sp + t * half;
+#ifdef PAGEDSERVE_AVX512
+        // bf16, 16 pairs per vector (the same arithmetic as the loop below compiles to: x1 c - (x2 s) and
+        // x2 c + (x1 s), each a product rounded, then one fused multiply-add, rounded to bf16).
+        if constexpr (std::is_same_v<S, uint16_t>) {
+          if (half % 16 == 0) {
+            for (int64_t i = 0; i < half; i += 16) {
+              const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+              for (int64_t h = 0; h < H + KVH; ++h) {
+                S* x = tok + h * D + i;
+                const __m512 x1 = load16(x), x2 = load16(x + half);
+                store16(x, _mm512_fmsub_ps(x1, cv, pinned(_mm512_mul_ps(x2, sv))));
+                store16(x + half, _mm512_fmadd_ps(x2, cv, pinned(_mm512_mul_ps(x1, sv))));
+              }
+            }
+            std::memcpy(kc + slots[t] * row, tok + H * D, row * sizeof(S));
+            std::memcpy(vc + slots[t] * row, tok + (H + KVH) * D, row * sizeof(S));
+            continue;
+          }
+        }
+#endif
         for (int64_t h = 0; h < H + KVH; ++h) {  // q heads, then k heads: they are adjacent in qkv
           S* x = tok + h * D;
 #pragma omp simd
