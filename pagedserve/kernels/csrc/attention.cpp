@@ -1371,24 +1371,28 @@ inline void load_vectors(const uint16_t* q, int64_t qs, const RowTile& tile, int
 // lo <= j < ctx). Updates the running max mv and sum lv, writes P^T as bf16 (key 2 t, 2 t + 1) pairs to pT [16][16],
 // sets grew (the lanes whose max grew) and returns each lane's alpha = e^(m_old - m_new). A lane that has seen no key
 // yet keeps mv = -inf, lv = 0 and (alpha = 0, P = 0) its zero output.
-inline __m512 softmax_block(const float* sT, __m512i ctx, __m512i lo, int64_t j0, bool masked, __m512 scv, __m512& mv,
-                            __m512& lv, uint32_t* pT, __mmask16& grew) {
+// Two passes over sT (in L1) rather than the block's 32 scaled score vectors held in registers (which spilled), and
+// the masks only in the blocks that need them (kMasked): the same operations on each value, so the same bits.
+template <bool kMasked>
+inline __m512 softmax_block_t(const float* sT, __m512i ctx, __m512i lo, int64_t j0, __m512 scv, __m512& mv,
+                              __m512& lv, uint32_t* pT, __mmask16& grew) {
   const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                             21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  __m512 sj[kBlock];
-  __mmask16 vis[kBlock];
-  __m512 bmax = ninf;
+  auto visible = [&](int64_t j) {
+    const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
+    return _mm512_mask_cmple_epi32_mask(_mm512_cmpgt_epi32_mask(ctx, key), lo, key);
+  };
+  // The block's max of the raw scores (four independent chains: max is exact, so the order does not matter), then
+  // scaled: s -> s * scv rounds monotonically (scv > 0), so this is the max of the scaled scores.
+  __m512 bm[4] = {ninf, ninf, ninf, ninf};
   _Pragma("GCC unroll 32")
   for (int64_t j = 0; j < kBlock; ++j) {
-    sj[j] = _mm512_mul_ps(_mm512_load_ps(sT + j * 16), scv);
-    if (masked) {
-      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
-      vis[j] = _mm512_mask_cmple_epi32_mask(_mm512_cmpgt_epi32_mask(ctx, key), lo, key);
-      sj[j] = _mm512_mask_blend_ps(vis[j], ninf, sj[j]);
-    }
-    bmax = _mm512_max_ps(bmax, sj[j]);
+    __m512 s = _mm512_load_ps(sT + j * 16);
+    if constexpr (kMasked) s = _mm512_mask_blend_ps(visible(j), ninf, s);
+    bm[j % 4] = _mm512_max_ps(bm[j % 4], s);
   }
+  const __m512 bmax = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(bm[0], bm[1]), _mm512_max_ps(bm[2], bm[3])), scv);
   const __m512 mnew = _mm512_max_ps(mv, bmax);
   grew = _mm512_cmp_ps_mask(mnew, mv, _CMP_NEQ_OQ);
   // 1.0 exactly where the max did not grow (2^0); the first block's mv is -inf: clamped, 2^-200 = 0
@@ -1396,11 +1400,13 @@ inline __m512 softmax_block(const float* sT, __m512i ctx, __m512i lo, int64_t j0
   __m512 psum = _mm512_setzero_ps();
   _Pragma("GCC unroll 16")
   for (int64_t t = 0; t < kBlock / 2; ++t) {
-    // masked keys' -inf scores give NaN here, zeroed just below
-    __m512 p0 = exp2_16(_mm512_sub_ps(sj[2 * t], mnew)), p1 = exp2_16(_mm512_sub_ps(sj[2 * t + 1], mnew));
-    if (masked) {
-      p0 = _mm512_maskz_mov_ps(vis[2 * t], p0);
-      p1 = _mm512_maskz_mov_ps(vis[2 * t + 1], p1);
+    // pinned: the scaled score rounded before the subtraction (no FMA of the two), as in the max above
+    const __m512 s0 = pinned(_mm512_mul_ps(_mm512_load_ps(sT + 2 * t * 16), scv));
+    const __m512 s1 = pinned(_mm512_mul_ps(_mm512_load_ps(sT + (2 * t + 1) * 16), scv));
+    __m512 p0 = exp2_16(_mm512_sub_ps(s0, mnew)), p1 = exp2_16(_mm512_sub_ps(s1, mnew));
+    if constexpr (kMasked) {  // keys a lane does not see: 0 (in a lane that has seen none, mnew = -inf: not finite)
+      p0 = _mm512_maskz_mov_ps(visible(2 * t), p0);
+      p1 = _mm512_maskz_mov_ps(visible(2 * t + 1), p1);
     }
     psum = _mm512_add_ps(psum, _mm512_add_ps(p0, p1));
     _mm512_store_si512(pT + t * 16, _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
@@ -1408,6 +1414,11 @@ inline __m512 softmax_block(const float* sT, __m512i ctx, __m512i lo, int64_t j0
   lv = _mm512_fmadd_ps(lv, alpha, psum);
   mv = mnew;
   return alpha;
+}
+inline __m512 softmax_block(const float* sT, __m512i ctx, __m512i lo, int64_t j0, bool masked, __m512 scv, __m512& mv,
+                            __m512& lv, uint32_t* pT, __mmask16& grew) {
+  return masked ? softmax_block_t<true>(sT, ctx, lo, j0, scv, mv, lv, pT, grew)
+                : softmax_block_t<false>(sT, ctx, lo, j0, scv, mv, lv, pT, grew);
 }
 
 // Vector m0 + v's output (v < nv): column v of O^T (acc [D][16]) times 1 / its sum, 16 d at a time transposed in

