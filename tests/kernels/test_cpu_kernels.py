@@ -60,6 +60,21 @@ def test_rms_norm_and_fused_add(kernels, dtype, rows):
     assert close(x, expect_x, dtype)
 
 
+def test_bf16_stores_keep_denormals_and_infinities(kernels):
+    """The kernels' bf16 stores round as torch does also where a sum is a float32 denormal (the AVX512-BF16
+    conversion they use flushes those: such vectors must take the integer rounding) or infinite, and keep -0."""
+    tiny = 2.0 ** -126  # the smallest normal float32 (and bf16)
+    x = torch.full((3, 64), 0.75).bfloat16()
+    res = torch.full((3, 64), -0.5).bfloat16()
+    x[0, :16], res[0, :16] = 1.5 * tiny, -tiny  # sums 2^-127: a denormal, representable in bf16
+    x[1, 16:19], res[1, 16:19] = torch.tensor([3e38, -0.0, 1.0]), torch.tensor([3e38, -0.0, float("inf")])
+    x[2, 40], res[2, 40] = 1.25 * tiny, -tiny  # one denormal among normal values
+    want = (x.float() + res.float()).bfloat16()
+    assert (want[0, :16].float() == 2.0 ** -127).all() and torch.isinf(want[1, 16]) and torch.isinf(want[1, 18])
+    kernels.fused_add_rms_norm(x, res, torch.ones(64).bfloat16(), 1e-6)
+    assert torch.equal(res.view(torch.int16), want.view(torch.int16))
+
+
 def ref_rms_norm_once(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm (transformers' Gemma3RMSNorm with the stored 1 + w): float32 all the way, rounded once."""
     h = x.float()

@@ -148,6 +148,16 @@ inline __m512i round_bf16_bits(__m512 v) {
   return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
 }
 inline void store16(uint16_t* p, __m512 v) {  // round to nearest even, as Elem<uint16_t>::store
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  // vcvtneps2bf16 rounds every zero, normal and infinite float32 as round_bf16_bits does (checked over all 2^32 bit
+  // patterns on a Sapphire Rapids); it flushes denormals and keeps NaNs NaN, so a vector holding either (fpclass:
+  // QNaN 0x01, denormal 0x20, SNaN 0x80) takes the integer rounding. ~3 micro-ops per 16 values instead of 7 (bf16
+  // matmul outputs: qkv / o / down at 2,048 rows 4-6% faster).
+  if (!_mm512_fpclass_ps_mask(v, 0xA1)) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    return;
+  }
+#endif
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(v), 16)));
 }
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
