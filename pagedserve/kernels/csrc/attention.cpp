@@ -812,8 +812,9 @@ void scores_pass_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, 
 // P.V on AMX tiles (with scores_pass_amx: D % 64 == 0, the tiles configured to 16 rows), 64 d at a time (a pass over
 // the keys each). Per 32 keys, C tile c (the G heads' outputs at d = d0 + 16 c ..) += P . V_c: the A tile is the G
 // rows of 16 probability pairs as round_pairs lays them out (rows past G are read and their outputs ignored), B tile
-// V_c the 16 key pairs' VPairs of those 16 d, stored into a buffer (two, alternating). The same probabilities as pv_pairs_bf16, summed by TDPBF16PS; on a Sapphire Rapids a
-// VDPBF16PS takes 2 cycles, so that route's 12 per key pair (3 heads) were most of a W1 task's time.
+// V_c the 16 key pairs' VPairs of those 16 d, stored into a buffer (two, alternating). The same probabilities as
+// pv_pairs_bf16, summed by TDPBF16PS; on a Sapphire Rapids a VDPBF16PS takes 2 cycles, so that route's 12 per key pair
+// (3 heads) were most of a W1 task's time.
 template <int G, typename SO>
 void pv_pairs_amx(const float* sc, const uint16_t* vc, const int64_t* table, int64_t S, int64_t BS, int64_t row,
                   int64_t D, SO* out, std::vector<uint32_t>& pairs, RowStream& ahead) {

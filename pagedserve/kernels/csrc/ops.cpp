@@ -176,6 +176,7 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
         S* tok = base + t * qs;
         const float* c = cp + t * half;
         const float* s = sp + t * half;
+        bool rotated = false;
 #ifdef PAGEDSERVE_AVX512
         // bf16, 16 pairs per vector (the same arithmetic as the loop below compiles to: x1 c - (x2 s) and
         // x2 c + (x1 s), each a product rounded, then one fused multiply-add, rounded to bf16).
@@ -190,13 +191,11 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
                 store16(x + half, _mm512_fmadd_ps(x2, cv, pinned(_mm512_mul_ps(x1, sv))));
               }
             }
-            std::memcpy(kc + slots[t] * row, tok + H * D, row * sizeof(S));
-            std::memcpy(vc + slots[t] * row, tok + (H + KVH) * D, row * sizeof(S));
-            continue;
+            rotated = true;
           }
         }
 #endif
-        for (int64_t h = 0; h < H + KVH; ++h) {  // q heads, then k heads: they are adjacent in qkv
+        for (int64_t h = 0; !rotated && h < H + KVH; ++h) {  // q heads, then k heads: they are adjacent in qkv
           S* x = tok + h * D;
 #pragma omp simd
           for (int64_t i = 0; i < half; ++i) {
