@@ -319,6 +319,31 @@ def test_bf16_linear_of_many_rows_and_columns_gives_each_rows_own_bits(kernels, 
 
 @needs_bf16
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+def test_bf16_linear_k_blocks_in_either_order_give_each_rows_own_bits(kernels, threads, bf16_route):
+    """The AMX many-rows route runs K in blocks, C stored and reloaded between them, in one of two orders: a row
+    pair's A tiles kept in L1 while the panel pairs pass (a decode step's rows: K = 1,280 in 3 blocks of up to 448 k)
+    or a panel pair's B kept while the row pairs pass (x past 1 MB with K past 576: 5 blocks of 256). Either way every
+    row gets the bits it gets in 16-row calls (one row tile over all of K, no blocks) -- the chains are not cut or
+    reordered -- on 1 or 2 threads, and the product is right."""
+    qtype = Q.Q4_1
+    n, k = 100, 1280  # 7 panels: a group of 4 and a partial one with a partial panel
+    raw = random_blocks(qtype, n, k, seed=71)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    x = torch.randn(450, k, generator=torch.Generator().manual_seed(72)).to(torch.bfloat16)  # 1.15 MB
+    tiles = torch.cat([kernels.quant_linear_bf16(x[i : i + 16], packed, int(qtype), n, None, torch.float32)
+                       for i in range(0, 450, 16)])
+    for m in (64, 77, 450):
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            y = kernels.quant_linear_bf16(x[:m], packed, int(qtype), n, None, torch.float32)
+            assert torch.equal(y, tiles[:m]), (m, t)
+    wb = dequantize(raw, qtype).to(torch.bfloat16).double()
+    ref = x.double() @ wb.t()
+    assert (tiles.double() - ref).abs().max() <= 1e-5 * (x.double().abs() @ wb.abs().t()).max()
+
+
+@needs_bf16
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q6_K], ids=["Q4_1", "Q5_0", "Q6_K"])
 def test_bf16_silu_is_silu_and_mul_over_the_bf16_linear(kernels, threads, bf16_route, qtype):
     """quant_linear_bf16_silu (the MLP's gate_up projection and SwiGLU in one call; fused into the AMX many-rows

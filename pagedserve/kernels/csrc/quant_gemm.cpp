@@ -37,6 +37,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -1059,7 +1060,9 @@ struct NoSideWork {
 // side() runs after each 32-k step's tile products are issued: vector work (another item's epilogue:
 // AmxLaterWrites) that the core's vector ports do while the tile unit multiplies (they overlap: a 4-product step
 // with ~60 FMAs beside it takes as long as the step alone on a Sapphire Rapids).
-template <int RT, int PT, typename SW = NoSideWork>
+// StreamB: the B tiles loaded with the non-temporal hint (TILELOADDT1), so that they pass by L1 and the A tiles the
+// caller keeps there stay (the same values: the same bits).
+template <int RT, int PT, bool StreamB = false, typename SW = NoSideWork>
 inline void amx_block(const uint16_t* x, int64_t xs, int rows, const uint16_t* buf, int64_t K, float* acc,
                       int64_t as, int64_t ka = 0, int64_t kz = -1, SW&& side = {}) {
   const int64_t cb = as * 4;
@@ -1078,9 +1081,14 @@ inline void amx_block(const uint16_t* x, int64_t xs, int rows, const uint16_t* b
   const int64_t xb = xs * 2, ps = K * 16;
   const uint16_t* x1 = x + rows * xs;
   for (int64_t k0 = ka; k0 < kz; k0 += 32) {
-    _tile_loadd(6, buf + k0 * 16, 64);
+    if constexpr (StreamB) {
+      _tile_stream_loadd(6, buf + k0 * 16, 64);
+      if constexpr (PT > 1) _tile_stream_loadd(7, buf + ps + k0 * 16, 64);
+    } else {
+      _tile_loadd(6, buf + k0 * 16, 64);
+      if constexpr (PT > 1) _tile_loadd(7, buf + ps + k0 * 16, 64);
+    }
     _tile_loadd(4, x + k0, xb);
-    if constexpr (PT > 1) _tile_loadd(7, buf + ps + k0 * 16, 64);
     if constexpr (RT > 1) _tile_loadd(5, x1 + k0, xb);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (PT > 1) _tile_dpbf16ps(1, 4, 7);
@@ -1130,7 +1138,7 @@ void gemv_amx(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstri
 }
 
 constexpr int64_t kAmxGemvRows = 16;  // up to here: one row tile, weights streamed
-constexpr int64_t kAmxKBlockBytes = 36864;  // a k block's B (panel pair) and A (row pair) tiles together: in L1
+constexpr int64_t kAmxKBlockBytes = 36864;  // the tiles kept in L1 over a k block (see quant_gemm_amx_rows)
 constexpr int64_t kAmxWideBytes = 4 << 20;  // the many-rows route's shared widened weights at a time
 constexpr int64_t kAmxXBytes = 1 << 20;     // up to here x stays in L2: groups split, widened per thread
 
@@ -1221,11 +1229,17 @@ template <int64_t T, typename OT, bool Silu = false>
 void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
                          int64_t N, int64_t K) {
   // Work items of (a block of rows, a panel group: PanelGroups) over the group's widened weights. Pairs of full row
-  // tiles run K-blocked: per k block, a panel pair's B (kc x 32 bf16) stays in L1 while the row pairs' A tiles
-  // stream past it (unblocked, B and A of a 32 x 32 block over K = 576 are 72 KB together, past L1, and both came
-  // from L2 at every step). C goes to acc between k blocks. With Silu, an item's full row pairs are written during
-  // the next item's tile products (AmxLaterWrites; a thread's items alternate between two acc buffers), the last
-  // when the task ends.
+  // tiles run K-blocked, C going to acc between k blocks, and per k block one operand stays in L1 while the other
+  // streams past it: a tile load from L2 does not overlap the tile products before it (no tile renaming), so with
+  // both operands from L2 a 2 x 2 step took ~1.3x as long as with one in L1 (C microbenchmark, Sapphire Rapids).
+  // - A-major (a decode step's rows, or K small enough that a row pair's A over all of K fits: K <= 576): a row
+  //   pair's A tiles (kc x 32 bf16, up to 36 KB) stay while the item's panel pairs pass, their B tiles loaded past
+  //   L1 (StreamB); fewer C round trips too.
+  // - B-major (prefill rows with a longer K): a panel pair's B (kc x 32; with a row pair's A, 36 KB) stays while the
+  //   row pairs' A tiles pass. A-major measured slower there (SmolLM2's down, K = 1,536, at 2,048 rows: 1.83 -> 2.00
+  //   ms), and 5-13% faster for every other matmul of SmolLM2 at 128 and 2,048 rows.
+  // With Silu, an item's full row pairs are written during the next item's tile products (AmxLaterWrites; a
+  // thread's items alternate between two acc buffers), the last when the task ends.
   using PG = PanelGroups<T, OT, Silu>;
   using LW = AmxLaterWrites<PG>;
   const PG pg(w, bias, y, N, K);
@@ -1233,8 +1247,12 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   constexpr int64_t as = PG::as, slots = PG::slots;
   const int64_t groups = pg.groups;
   const int64_t gsize = slots * K * 16;  // bf16 per group
-  const int64_t nkb = std::max<int64_t>(1, (K * 128 + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
-  const int64_t kc = ((K + nkb - 1) / nkb + 31) / 32 * 32;
+  // The k block: kc x 32 bf16 of one operand (A-major) or of both (B-major) within kAmxKBlockBytes.
+  auto k_block = [&](int64_t bytes_per_k) {
+    const int64_t nkb = std::max<int64_t>(1, (K * bytes_per_k + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
+    return ((K + nkb - 1) / nkb + 31) / 32 * 32;
+  };
+  const int64_t kc_a = k_block(64), kc_b = k_block(128);
   // ahead: the route where each thread widens its own groups (a decode step's rows), which asks for the next group's
   // weights and this item's outputs ahead (nullptr: the prefill-sized route, nothing asked ahead).
   auto item = [&](const uint16_t* buf, int64_t m0, int64_t mb, int64_t p0, float* acc, amx::Tiles& tiles, LW& lw,
@@ -1253,35 +1271,45 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
     }
     if (full) {
       tiles.use(16);
-      for (int64_t ka = 0; ka < K; ka += kc) {
-        const int64_t kz = std::min(K, ka + kc);
-        for (int side = 0; side < sides; ++side) {
-          for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2) {
-            const bool pair = side * kBfPanels + np - j >= 2;
-            for (int64_t r0 = 0; r0 < full; r0 += 32) {
-              const uint16_t* xr = x + (m0 + r0) * xs;
-              float* c = acc + r0 * as + j * 16;
-              auto block = [&](auto&& side) {
-                if (pair) {
-                  amx_block<2, 2>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, side);
-                } else {
-                  amx_block<2, 1>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, side);
-                }
-              };
-              if constexpr (Silu) {
-                block([&] {
-                  lw();
-                  pf();
-                  op();
-                });
-              } else {
-                block([&] {
-                  pf();
-                  op();
-                });
-              }
-            }
+      // Row pair r0 against slot pair j (its second slot when j + 1 < the side's end) over k in [ka, kz).
+      auto run = [&](int64_t r0, int side, int j, int64_t ka, int64_t kz, auto stream_b) {
+        constexpr bool SB = decltype(stream_b)::value;
+        const bool pair = side * kBfPanels + np - j >= 2;
+        const uint16_t* xr = x + (m0 + r0) * xs;
+        float* c = acc + r0 * as + j * 16;
+        auto block = [&](auto&& work) {
+          if (pair) {
+            amx_block<2, 2, SB>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, work);
+          } else {
+            amx_block<2, 1, SB>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, work);
           }
+        };
+        if constexpr (Silu) {
+          block([&] {
+            lw();
+            pf();
+            op();
+          });
+        } else {
+          block([&] {
+            pf();
+            op();
+          });
+        }
+      };
+      if (ahead || K * 64 <= kAmxKBlockBytes) {  // A-major
+        for (int64_t ka = 0; ka < K; ka += kc_a) {
+          for (int64_t r0 = 0; r0 < full; r0 += 32)
+            for (int side = 0; side < sides; ++side)
+              for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2)
+                run(r0, side, j, ka, std::min(K, ka + kc_a), std::true_type{});
+        }
+      } else {  // B-major
+        for (int64_t ka = 0; ka < K; ka += kc_b) {
+          for (int side = 0; side < sides; ++side)
+            for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2)
+              for (int64_t r0 = 0; r0 < full; r0 += 32)
+                run(r0, side, j, ka, std::min(K, ka + kc_b), std::false_type{});
         }
       }
     }
