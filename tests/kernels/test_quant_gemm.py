@@ -319,12 +319,12 @@ def test_bf16_linear_of_many_rows_and_columns_gives_each_rows_own_bits(kernels, 
 
 @needs_bf16
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
-def test_bf16_linear_k_blocks_in_either_order_give_each_rows_own_bits(kernels, threads, bf16_route):
-    """The AMX many-rows route runs K in blocks, C stored and reloaded between them, in one of two orders: a row
-    pair's A tiles kept in L1 while the panel pairs pass (a decode step's rows: K = 1,280 in 3 blocks of up to 448 k)
-    or a panel pair's B kept while the row pairs pass (x past 1 MB with K past 576: 5 blocks of 256). Either way every
-    row gets the bits it gets in 16-row calls (one row tile over all of K, no blocks) -- the chains are not cut or
-    reordered -- on 1 or 2 threads, and the product is right."""
+def test_bf16_linear_in_k_blocks_gives_each_rows_own_bits(kernels, threads, bf16_route):
+    """Past K = 640 the AMX many-rows route runs K in blocks (here 5 of 256), C stored and reloaded between them, a
+    panel pair's B tiles kept in L1 while the row pairs pass (up to 640, A-major: no blocks, the other tests' K), on
+    both of its routes: 64 and 77 rows (each thread widens its own groups), 450 rows (x past 1 MB: shared widened
+    weights). Every row gets the bits it gets in 16-row calls (one row tile over all of K, no blocks) -- the chains
+    are not cut or reordered -- on 1 or 2 threads, and the product is right."""
     qtype = Q.Q4_1
     n, k = 100, 1280  # 7 panels: a group of 4 and a partial one with a partial panel
     raw = random_blocks(qtype, n, k, seed=71)

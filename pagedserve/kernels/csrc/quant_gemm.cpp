@@ -1138,7 +1138,8 @@ void gemv_amx(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstri
 }
 
 constexpr int64_t kAmxGemvRows = 16;  // up to here: one row tile, weights streamed
-constexpr int64_t kAmxKBlockBytes = 36864;  // the tiles kept in L1 over a k block (see quant_gemm_amx_rows)
+constexpr int64_t kAmxKBlockBytes = 36864;  // B-major: a k block's B (panel pair) and A (row pair) tiles, in L1
+constexpr int64_t kAmxABytes = 40960;       // A-major: a row pair's A tiles over all of K, in L1 (K <= 640)
 constexpr int64_t kAmxWideBytes = 4 << 20;  // the many-rows route's shared widened weights at a time
 constexpr int64_t kAmxXBytes = 1 << 20;     // up to here x stays in L2: groups split, widened per thread
 
@@ -1229,15 +1230,16 @@ template <int64_t T, typename OT, bool Silu = false>
 void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
                          int64_t N, int64_t K) {
   // Work items of (a block of rows, a panel group: PanelGroups) over the group's widened weights. Pairs of full row
-  // tiles run K-blocked, C going to acc between k blocks, and per k block one operand stays in L1 while the other
-  // streams past it: a tile load from L2 does not overlap the tile products before it (no tile renaming), so with
-  // both operands from L2 a 2 x 2 step took ~1.3x as long as with one in L1 (C microbenchmark, Sapphire Rapids).
-  // - A-major (a decode step's rows, or K small enough that a row pair's A over all of K fits: K <= 576): a row
-  //   pair's A tiles (kc x 32 bf16, up to 36 KB) stay while the item's panel pairs pass, their B tiles loaded past
-  //   L1 (StreamB); fewer C round trips too.
-  // - B-major (prefill rows with a longer K): a panel pair's B (kc x 32; with a row pair's A, 36 KB) stays while the
-  //   row pairs' A tiles pass. A-major measured slower there (SmolLM2's down, K = 1,536, at 2,048 rows: 1.83 -> 2.00
-  //   ms), and 5-13% faster for every other matmul of SmolLM2 at 128 and 2,048 rows.
+  // tiles against pairs of panels; one operand stays in L1 while the other streams past it: a tile load from L2 does
+  // not overlap the tile products before it (no tile renaming), so with both operands from L2 a 2 x 2 step took
+  // ~1.3x as long as with one in L1 (C microbenchmark, Sapphire Rapids).
+  // - A-major, where a row pair's A tiles over all of K fit (K <= 640: SmolLM2's and Gemma 3's hidden sizes): they
+  //   stay while the item's panel pairs pass over all of K, the B tiles loaded past L1 (StreamB), C in the tiles
+  //   throughout. Against B-major: SmolLM2's gate_up, qkv, o 5-13% faster at 128 and 2,048 rows, Gemma 3's gate_up
+  //   and qkv at 2,048 rows 13% and 9%.
+  // - B-major (a longer K): K-blocked, C going to acc between k blocks; per k block a panel pair's B (kc x 32 bf16;
+  //   with a row pair's A, 36 KB) stays while the row pairs' A tiles pass. A-major K-blocked measured slower for
+  //   the down projections (SmolLM2's, K = 1,536, at 2,048 rows 1.83 -> 2.00 ms; Gemma 3's, K = 2,048, 8-11%).
   // With Silu, an item's full row pairs are written during the next item's tile products (AmxLaterWrites; a
   // thread's items alternate between two acc buffers), the last when the task ends.
   using PG = PanelGroups<T, OT, Silu>;
@@ -1247,12 +1249,9 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   constexpr int64_t as = PG::as, slots = PG::slots;
   const int64_t groups = pg.groups;
   const int64_t gsize = slots * K * 16;  // bf16 per group
-  // The k block: kc x 32 bf16 of one operand (A-major) or of both (B-major) within kAmxKBlockBytes.
-  auto k_block = [&](int64_t bytes_per_k) {
-    const int64_t nkb = std::max<int64_t>(1, (K * bytes_per_k + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
-    return ((K + nkb - 1) / nkb + 31) / 32 * 32;
-  };
-  const int64_t kc_a = k_block(64), kc_b = k_block(128);
+  const bool a_major = K * 64 <= kAmxABytes;
+  const int64_t nkb = std::max<int64_t>(1, (K * 128 + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
+  const int64_t kc = ((K + nkb - 1) / nkb + 31) / 32 * 32;  // B-major's k block
   // ahead: the route where each thread widens its own groups (a decode step's rows), which asks for the next group's
   // weights and this item's outputs ahead (nullptr: the prefill-sized route, nothing asked ahead).
   auto item = [&](const uint16_t* buf, int64_t m0, int64_t mb, int64_t p0, float* acc, amx::Tiles& tiles, LW& lw,
@@ -1297,19 +1296,15 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
           });
         }
       };
-      if (ahead || K * 64 <= kAmxKBlockBytes) {  // A-major
-        for (int64_t ka = 0; ka < K; ka += kc_a) {
-          for (int64_t r0 = 0; r0 < full; r0 += 32)
-            for (int side = 0; side < sides; ++side)
-              for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2)
-                run(r0, side, j, ka, std::min(K, ka + kc_a), std::true_type{});
-        }
-      } else {  // B-major
-        for (int64_t ka = 0; ka < K; ka += kc_b) {
+      if (a_major) {
+        for (int64_t r0 = 0; r0 < full; r0 += 32)
+          for (int side = 0; side < sides; ++side)
+            for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2) run(r0, side, j, 0, K, std::true_type{});
+      } else {
+        for (int64_t ka = 0; ka < K; ka += kc) {
           for (int side = 0; side < sides; ++side)
             for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2)
-              for (int64_t r0 = 0; r0 < full; r0 += 32)
-                run(r0, side, j, ka, std::min(K, ka + kc_b), std::false_type{});
+              for (int64_t r0 = 0; r0 < full; r0 += 32) run(r0, side, j, ka, std::min(K, ka + kc), std::false_type{});
         }
       }
     }
