@@ -1233,13 +1233,16 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   // tiles against pairs of panels; one operand stays in L1 while the other streams past it: a tile load from L2 does
   // not overlap the tile products before it (no tile renaming), so with both operands from L2 a 2 x 2 step took
   // ~1.3x as long as with one in L1 (C microbenchmark, Sapphire Rapids).
-  // - A-major, where a row pair's A tiles over all of K fit (K <= 640: SmolLM2's and Gemma 3's hidden sizes): they
+  // - A-major, where a row pair's A tiles over all of K fit (K <= 640: SmolLM2's and Gemma 3's hidden sizes) on the
+  //   prefill-sized route, and for the fused SwiGLU (8 slots: 4 panel pairs per A) on the decode-sized one: they
   //   stay while the item's panel pairs pass over all of K, the B tiles loaded past L1 (StreamB), C in the tiles
-  //   throughout. Against B-major: SmolLM2's gate_up, qkv, o 5-13% faster at 128 and 2,048 rows, Gemma 3's gate_up
-  //   and qkv at 2,048 rows 13% and 9%.
-  // - B-major (a longer K): K-blocked, C going to acc between k blocks; per k block a panel pair's B (kc x 32 bf16;
-  //   with a row pair's A, 36 KB) stays while the row pairs' A tiles pass. A-major K-blocked measured slower for
-  //   the down projections (SmolLM2's, K = 1,536, at 2,048 rows 1.83 -> 2.00 ms; Gemma 3's, K = 2,048, 8-11%).
+  //   throughout. Against B-major: SmolLM2's gate_up, qkv, o 1-13% faster at 2,048 rows and its gate_up 6-11% at
+  //   128; Gemma 3's gate_up and qkv at 2,048 rows 13% and 9%.
+  // - B-major (a longer K; the plain matmuls at a decode step's rows): K-blocked, C going to acc between k blocks;
+  //   per k block a panel pair's B (kc x 32 bf16; with a row pair's A, 36 KB) stays while the row pairs' A tiles
+  //   pass. A-major measured slower there: the LM head at W1's 128 rows 4.7 -> 5.2 ms, qkv and o within 3%, and in
+  //   k blocks the down projections (SmolLM2's, K = 1,536, at 2,048 rows 1.83 -> 2.00 ms; Gemma 3's, K = 2,048,
+  //   8-11%).
   // With Silu, an item's full row pairs are written during the next item's tile products (AmxLaterWrites; a
   // thread's items alternate between two acc buffers), the last when the task ends.
   using PG = PanelGroups<T, OT, Silu>;
@@ -1296,7 +1299,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
           });
         }
       };
-      if (a_major) {
+      if (a_major && (Silu || !ahead)) {  // ahead: the decode-sized route
         for (int64_t r0 = 0; r0 < full; r0 += 32)
           for (int side = 0; side < sides; ++side)
             for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2) run(r0, side, j, 0, K, std::true_type{});
