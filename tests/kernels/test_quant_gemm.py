@@ -321,11 +321,11 @@ def test_bf16_linear_of_many_rows_and_columns_gives_each_rows_own_bits(kernels, 
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 def test_bf16_linear_in_k_blocks_gives_each_rows_own_bits(kernels, threads, bf16_route):
     """Past K = 640 the AMX many-rows route runs K in blocks (here 5 of 256), C stored and reloaded between them, a
-    panel pair's B tiles kept in L1 while the row pairs pass (up to 640, A-major on the prefill-sized route and for
-    the fused SwiGLU: no blocks, the other tests' K), on
-    both of its routes: 64 and 77 rows (each thread widens its own groups), 450 rows (x past 1 MB: shared widened
-    weights). Every row gets the bits it gets in 16-row calls (one row tile over all of K, no blocks) -- the chains
-    are not cut or reordered -- on 1 or 2 threads, and the product is right."""
+    panel pair's B tiles kept in L1 while the row pairs pass (up to 640 on the prefill-sized route and for the fused
+    SwiGLU: A-major, no blocks, the other tests' K), on both of its routes: 64 and 77 rows (each thread widens its
+    own groups), 450 rows (x past 1 MB: shared widened weights). Every row gets the bits it gets in 16-row calls (one
+    row tile over all of K, no blocks) -- the chains are not cut or reordered -- on 1 or 2 threads, and the product
+    is right."""
     qtype = Q.Q4_1
     n, k = 100, 1280  # 7 panels: a group of 4 and a partial one with a partial panel
     raw = random_blocks(qtype, n, k, seed=71)
