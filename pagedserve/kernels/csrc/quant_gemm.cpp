@@ -1252,7 +1252,6 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   constexpr int64_t as = PG::as, slots = PG::slots;
   const int64_t groups = pg.groups;
   const int64_t gsize = slots * K * 16;  // bf16 per group
-  const bool a_major = K * 64 <= kAmxABytes;
   const int64_t nkb = std::max<int64_t>(1, (K * 128 + kAmxKBlockBytes - 1) / kAmxKBlockBytes);
   const int64_t kc = ((K + nkb - 1) / nkb + 31) / 32 * 32;  // B-major's k block
   // ahead: the route where each thread widens its own groups (a decode step's rows), which asks for the next group's
@@ -1286,20 +1285,13 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
             amx_block<2, 1, SB>(xr, xs, 16, buf + j * K * 16, K, c, as, ka, kz, work);
           }
         };
-        if constexpr (Silu) {
-          block([&] {
-            lw();
-            pf();
-            op();
-          });
-        } else {
-          block([&] {
-            pf();
-            op();
-          });
-        }
+        block([&] {
+          if constexpr (Silu) lw();
+          pf();
+          op();
+        });
       };
-      if (a_major && (Silu || !ahead)) {  // ahead: the decode-sized route
+      if ((Silu || !ahead) && K * 64 <= kAmxABytes) {  // A-major (ahead: the decode-sized route)
         for (int64_t r0 = 0; r0 < full; r0 += 32)
           for (int side = 0; side < sides; ++side)
             for (int j = side * kBfPanels; j < side * kBfPanels + np; j += 2) run(r0, side, j, 0, K, std::true_type{});
