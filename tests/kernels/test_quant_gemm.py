@@ -265,6 +265,83 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
         assert torch.equal(got, expect[k0 : k0 + 4]), k0
 
 
+def _k_scales(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [n, nb, 8] twice: each sub-block's d * scale and dmin * min of Q4_K / Q5_K blocks (as the kernels do)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, gguf.GGML_QUANT_SIZES[qtype][1])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc = blocks[..., 4:16].astype(np.int64)
+    scale, mn = [], []
+    for j in range(8):
+        if j < 4:
+            scale.append(sc[..., j] & 63)
+            mn.append(sc[..., j + 4] & 63)
+        else:
+            scale.append((sc[..., j + 4] & 0xF) | ((sc[..., j - 4] >> 6) << 4))
+            mn.append((sc[..., j + 4] >> 4) | ((sc[..., j] >> 6) << 4))
+    return (d[..., None] * np.stack(scale, -1).astype(np.float32),
+            dmin[..., None] * np.stack(mn, -1).astype(np.float32))
+
+
+@needs_bf16
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K], ids=["Q4_1", "Q5_1", "Q4_K", "Q5_K"])
+def test_bf16_widening_in_both_forms_gives_the_same_weights(kernels, threads, bf16_route, qtype):
+    """With VBMI the bf16 routes widen a sub-block's 16 rows in the magic form (each quant written into a float's
+    mantissa, no conversion, one fma with c = m - 128 d; K-quants: -dmin * min - 128 d * scale) where that c is
+    exact in float32 for all 16 rows, else in the converting form. A model's scales (m about -7.5 d) give exact c;
+    an m 2^14 below its d does not, m = 0 and d = 0 do. Such rows mixed into one matmul (so a few-rows GEMV also
+    meets panels of both forms in one k step): every weight comes out as gguf-py's rounded to bf16, bit for bit
+    (unit rows), and the product of random rows is right at 1-4 and more rows."""
+    n, k = 80, 2 * k_for(qtype)
+    raw = random_blocks(qtype, n, k, seed=91)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = raw.reshape(n, -1, block_bytes)
+    rng = np.random.default_rng(92)
+    d = (rng.uniform(0.5, 1.5, size=blocks.shape[:2]) * 2.0**-2).astype(np.float16)
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        m = (-d.astype(np.float64) * rng.uniform(6.0, 9.0, size=d.shape)).astype(np.float16)
+        m[20, 3] = d[20, 3] * np.float16(2.0**-14)  # panel 1: one row's c inexact in one block
+        m[50, :] = 0.0  # panel 3: exact (c = -128 d)
+        d[51, 5] = 0.0  # exact (c = m)
+        m[70, 1:] = d[70, 1:] * np.float16(2.0**-14)  # panel 4: inexact in all blocks but the first
+        blocks[..., 2:4] = m.view(np.uint8).reshape(*m.shape, 2)
+        dd, mm = d.astype(np.float32)[..., None], m.astype(np.float32)[..., None]
+        c = mm + np.float32(-128.0) * dd
+        exact = c.astype(np.float64) == mm.astype(np.float64) - 128.0 * dd.astype(np.float64)
+        exact = exact[..., 0]
+    else:  # dmin beside d: with random 6-bit scales and mins some sub-blocks' c are exact, some are not
+        dmin = (d.astype(np.float64) * rng.uniform(0.5, 2.0, size=d.shape)).astype(np.float16)
+        blocks[..., 2:4] = dmin.view(np.uint8).reshape(*dmin.shape, 2)
+    blocks[..., 0:2] = d.view(np.uint8).reshape(*d.shape, 2)
+    raw = blocks.reshape(n, -1)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        ds, dm = _k_scales(raw, qtype)
+        c = -dm + np.float32(-128.0) * ds
+        exact = c.astype(np.float64) == -dm.astype(np.float64) - 128.0 * ds.astype(np.float64)
+    panels = exact.reshape(n // 16, 16, -1).all(axis=1)  # [panel, sub-block]: the magic form
+    assert panels.any() and not panels.all() and panels.any(axis=1).all()  # both forms, in every panel
+
+    w = dequantize(raw, qtype)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    expect = w.to(torch.bfloat16).float().t()
+    assert torch.equal(kernels.quant_linear_bf16(eye, packed, int(qtype), n, None, torch.float32), expect)
+    for k0 in range(0, k, 4):
+        got = kernels.quant_linear_bf16(eye[k0 : k0 + 4], packed, int(qtype), n, None, torch.float32)
+        assert torch.equal(got, expect[k0 : k0 + 4]), k0
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(93)).to(torch.bfloat16)
+    wb = w.to(torch.bfloat16).double()
+    ref = x.double() @ wb.t()
+    scale = (x.double().abs() @ wb.abs().t()).max()
+    full = kernels.quant_linear_bf16(x, packed, int(qtype), n, None, torch.float32)
+    assert (full.double() - ref).abs().max() <= 1e-5 * scale
+    for rows in (1, 2, 3, 4, 17):
+        assert torch.equal(kernels.quant_linear_bf16(x[:rows], packed, int(qtype), n, None, torch.float32),
+                           full[:rows]), rows
+
+
 @needs_bf16
 def test_bf16_linear_cuts_rows_for_an_odd_number_of_groups(kernels, threads):
     """With few panel groups that two threads cannot share evenly (3 here: 9 panels, the decode step's o and down

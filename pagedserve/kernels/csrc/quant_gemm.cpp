@@ -711,7 +711,7 @@ constexpr int64_t kBfRows = 6;    // rows per register tile
 // The bf16 weights of the 32-k sub-block at k0 of one panel into out[(k - k0) / 2 * 32 + 2 r + k % 2] (16 pair
 // vectors, 1 KB: one AMX B tile).
 template <int64_t T>
-inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out);
+__attribute__((always_inline)) inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out);
 
 // The bf16 weights of one panel, all of K, into out[(k / 2) * 32 + 2 r + k % 2].
 template <int64_t T>
@@ -780,6 +780,7 @@ struct FastPairs {
   const uint8_t* h;       // Q5_0, Q5_1, Q5_K, Q6_K: the high-bit planes
   __m512 d0, d1, m0, m1;  // (scale_r, scale_r) for rows 0-7 and 8-15, and the mins (Q6_K: the second scale)
   __m128i sh, hs;         // Q4_K, Q5_K, Q6_K: the nibble shift; Q5_K, Q6_K: the high bits' shift
+  bool magic = false;     // init found make's magic form exact for this sub-block (see there): get<true>
 
   // A 16-lane row vector -> (v_r, v_r) pairs for rows 0-7 and 8-15 (scales: times make's kUnit, exact).
   static inline void pairs(__m512 v, __m512& lo, __m512& hi) {
@@ -800,8 +801,8 @@ struct FastPairs {
     if constexpr (kKScales) {  // d * scale and dmin * min of sub-block s
       __m128i sc, mn;
       k_scale_min16(pb + 64, s, sc, mn);
-      pairs(_mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc))), _mm512_set1_ps(kUnit)), d0, d1);
-      pairs(_mm512_mul_ps(halves16(pb + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))), m0, m1);
+      scales(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc))),
+             _mm512_mul_ps(halves16(pb + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
       q = pb + (T == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
       sh = _mm_cvtsi32_si128(4 * (s & 1));
       if constexpr (T == kQ5_K) {  // qh plane l holds the fifth bit of k = 32 s + l at bit s
@@ -810,7 +811,7 @@ struct FastPairs {
       }
       return;
     } else if constexpr (T == kQ6_K) {  // k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
-      const __m512 du = _mm512_mul_ps(d, _mm512_set1_ps(kUnit));
+      const __m512 du = _mm512_mul_ps(d, _mm512_set1_ps(kSlowUnit));
       pairs(_mm512_mul_ps(du, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld(pb + 32 + (2 * s) * 16)))), d0, d1);
       pairs(_mm512_mul_ps(du, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld(pb + 32 + (2 * s + 1) * 16)))), m0, m1);
       q = pb + 288 + ((s / 4) * 64 + (s % 2) * 32) * 16;
@@ -819,12 +820,10 @@ struct FastPairs {
       hs = _mm_cvtsi32_si128(2 * (s % 4));
       return;
     }
-    pairs(_mm512_mul_ps(d, _mm512_set1_ps(kUnit)), d0, d1);
+    scales(d, T == kQ4_1 || T == kQ5_1 ? halves16(pb + 32) : _mm512_setzero_ps());
     if constexpr (T == kQ4_1) {
-      pairs(halves16(pb + 32), m0, m1);
       q = pb + 64;
     } else if constexpr (T == kQ5_1) {
-      pairs(halves16(pb + 32), m0, m1);
       h = pb + 64;
       q = pb + 128;
     } else if constexpr (T == kQ5_0) {
@@ -838,23 +837,92 @@ struct FastPairs {
   // 32 bytes [byte plane a (16 rows) | plane a + 1] -> pair vector of the two k's they hold (second: Q6_K's pairs
   // of k >= 16, which take the second scale).
 #if defined(__AVX512VBMI__)
-  // With VBMI one vpermb per 16 lanes moves byte (row r, k) and (r, k + 1) into the top byte of lanes 2 r, 2 r + 1
-  // (the other bytes zeroed): the int32 lane is q * 2^24 whatever q's sign, converted exactly, and the scales
-  // carry the 2^-24 (init: kUnit), so each product is d * q exactly as before, in two fewer shuffles.
-  static constexpr float kUnit = 1.f / 16777216.f;
-  static inline __m512i top_bytes_idx(int row0) {  // lane l: byte (l % 2) * 16 + row0 + l / 2 of the 32 bytes
-    return _mm512_set_epi32(
-        (16 + row0 + 7) << 24, (row0 + 7) << 24, (16 + row0 + 6) << 24, (row0 + 6) << 24, (16 + row0 + 5) << 24,
-        (row0 + 5) << 24, (16 + row0 + 4) << 24, (row0 + 4) << 24, (16 + row0 + 3) << 24, (row0 + 3) << 24,
-        (16 + row0 + 2) << 24, (row0 + 2) << 24, (16 + row0 + 1) << 24, (row0 + 1) << 24, (16 + row0) << 24,
-        row0 << 24);
+  // With VBMI one vpermb per 16 lanes moves byte (row r, k) and (r, k + 1) into lanes 2 r, 2 r + 1, in one of two
+  // forms that give the same bits:
+  //  - slow: into the top byte, the other bytes zeroed: the int32 lane is q * 2^24 whatever q's sign, converted
+  //    exactly, and the scales carry the 2^-24 (kSlowUnit), so each product is d * q exactly.
+  //  - magic (kMagic: every type but Q6_K): the unsigned quant q (Q4_0 / Q5_0 before their offsets, Q8_0 with its
+  //    sign bit flipped: q + 128) into byte 2 of a lane that otherwise holds 2.0f (Q8_0's 8 bits: byte 1 of 1.0f),
+  //    so the lane already is the float F = 2 + q / 64 (1 + q / 2^15): no conversion (two fewer ops of ~13 per pair
+  //    vector). With D' = 64 D (2^15 D), D' F = 128 D + D q (2^15 D + D q), so fma(F, D', c) with c = m - 128 D
+  //    (Q4_1, Q5_1), -dmin * min - 128 D (K-quants), -(128 + 8) D, -(128 + 16) D (Q4_0, Q5_0) or -(2^15 + 128) D
+  //    (Q8_0) rounds the exact D q + m (D (q - 8), ...) once, as the slow form does -- where c itself is exact, which
+  //    scales() checks for the 16 rows of each sub-block (else the slow form): always so for finite D on the signed
+  //    types, and for Q4_1 unless m and 128 D are about 2^12 apart. (A zero weight may come out +0 where the slow
+  //    form gives -0: every sum starts at +0, so no output can tell.)
+  static constexpr bool kMagic = T != kQ6_K;
+  static constexpr float kSlowUnit = 1.f / 16777216.f;
+  static constexpr float kUnit = T == kQ8_0 ? 32768.f : 64.f;
+  static constexpr int32_t kBase = T == kQ8_0 ? 0x3F800000 : 0x40000000;  // 1.0f, 2.0f
+  static constexpr __mmask64 kMagicByte = T == kQ8_0 ? 0x2222222222222222ull : 0x4444444444444444ull;
+  static constexpr float kOffset = T == kQ4_0 ? 8.f : T == kQ5_0 ? 16.f : T == kQ8_0 ? 128.f : 0.f;
+
+  static inline __m512i byte_idx(int row0) {  // lane l: byte (l % 2) * 16 + row0 + l / 2 of the 32, in every byte
+    const auto b = [row0](int l) { return static_cast<int>(((l % 2) * 16 + row0 + l / 2) * 0x01010101u); };
+    return _mm512_set_epi32(b(15), b(14), b(13), b(12), b(11), b(10), b(9), b(8), b(7), b(6), b(5), b(4), b(3), b(2),
+                            b(1), b(0));
   }
+
+  // d0, d1 and m0, m1 from the rows' scales D (d, or d * scale) and mins m (Q4_1, Q5_1: + m; K-quants: dmin * min,
+  // subtracted). The magic form's c = a + b, a = m (-dmin * min; signed types: -128 D or -2^15 D), b = -128 D
+  // (-offset D), is taken where TwoSum's error is 0 in every row (a NaN or an infinity fails it).
+  inline void scales(__m512 D, __m512 m) {
+    if constexpr (kMagic) {
+      constexpr int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // explicit rounding: opaque to fast-math
+      const __m512 sD = _mm512_mul_ps(D, _mm512_set1_ps(-kUnit));  // exact (D has at most 17 significant bits)
+      __m512 a, b;
+      if constexpr (kOffset != 0.f) {
+        a = T == kQ8_0 ? sD : _mm512_add_round_ps(sD, sD, rn);
+        b = _mm512_mul_ps(D, _mm512_set1_ps(-kOffset));
+      } else {
+        a = kKScales ? _mm512_sub_round_ps(_mm512_setzero_ps(), m, rn) : m;
+        b = _mm512_add_round_ps(sD, sD, rn);
+      }
+      const __m512 c = _mm512_add_round_ps(a, b, rn), bb = _mm512_sub_round_ps(c, a, rn);
+      const __m512 err = _mm512_add_round_ps(_mm512_sub_round_ps(a, _mm512_sub_round_ps(c, bb, rn), rn),
+                                             _mm512_sub_round_ps(b, bb, rn), rn);
+      magic = _mm512_cmp_ps_mask(err, _mm512_setzero_ps(), _CMP_EQ_OQ) == 0xFFFF;
+      if (magic) {
+        pairs(_mm512_mul_ps(D, _mm512_set1_ps(kUnit)), d0, d1);
+        pairs(c, m0, m1);
+        return;
+      }
+    }
+    pairs(_mm512_mul_ps(D, _mm512_set1_ps(kSlowUnit)), d0, d1);
+    pairs(m, m0, m1);
+  }
+
+  // Back to the slow form's scales (a caller that widens several panels in one form): D' 2^-30 (Q8_0: 2^-39) is D
+  // 2^-24, and m = c + 128 D (K-quants: dmin * min = -(c + 128 D)), all exact as c is.
+  inline void to_slow() {
+    if constexpr (kMagic) {
+      if (!magic) return;
+      magic = false;
+      const __m512 u = _mm512_set1_ps(kSlowUnit / kUnit), b = _mm512_set1_ps(128.f / kUnit);
+      m0 = _mm512_fmadd_ps(d0, b, m0);
+      m1 = _mm512_fmadd_ps(d1, b, m1);
+      if constexpr (kKScales) {
+        m0 = _mm512_sub_ps(_mm512_setzero_ps(), m0);
+        m1 = _mm512_sub_ps(_mm512_setzero_ps(), m1);
+      }
+      d0 = _mm512_mul_ps(d0, u);
+      d1 = _mm512_mul_ps(d1, u);
+    }
+  }
+
+  template <bool Magic>
   inline __m512i make(__m256i ab, bool second = false) const {
-    constexpr __mmask64 top = 0x8888888888888888ull;
     const __m512i v = _mm512_castsi256_si512(ab);
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, top_bytes_idx(0), v));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, top_bytes_idx(8), v));
     __m512 f0, f1;
+    if constexpr (Magic && kMagic) {
+      const __m512i base = _mm512_set1_epi32(kBase);
+      f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(0), v)), d0, m0);
+      f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(8), v)), d1, m1);
+      return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+    }
+    constexpr __mmask64 top = 0x8888888888888888ull;
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, byte_idx(0), v));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, byte_idx(8), v));
     if constexpr (kKScales) {  // d * scale * q - dmin * min
       f0 = _mm512_fmsub_ps(q0, d0, m0);
       f1 = _mm512_fmsub_ps(q1, d1, m1);
@@ -868,7 +936,14 @@ struct FastPairs {
     return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
   }
 #else
-  static constexpr float kUnit = 1.f;
+  static constexpr bool kMagic = false;
+  static constexpr float kSlowUnit = 1.f;
+  inline void to_slow() {}
+  inline void scales(__m512 D, __m512 m) {
+    pairs(D, d0, d1);
+    pairs(m, m0, m1);
+  }
+  template <bool Magic>
   inline __m512i make(__m256i ab, bool second = false) const {
     const __m128i a = _mm256_castsi256_si128(ab), b = _mm256_extracti128_si256(ab, 1);
     const __m128i r0 = _mm_unpacklo_epi8(a, b), r1 = _mm_unpackhi_epi8(a, b);  // rows 0-7, 8-15: (k, k+1)
@@ -892,11 +967,15 @@ struct FastPairs {
 
   static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-  // The pair vector of k = 2 j, 2 j + 1 (j < 16) of the sub-block.
+  // The pair vector of k = 2 j, 2 j + 1 (j < 16) of the sub-block; Magic: in make's magic form (where init set magic).
+  template <bool Magic>
   inline __m512i get(int j) const {
+    constexpr bool M = Magic && kMagic;
+    const auto make = [this](__m256i ab, bool second = false) { return this->template make<M>(ab, second); };
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     if constexpr (T == kQ8_0) {
-      return make(load32(q + 2 * j * 16));
+      const __m256i raw = load32(q + 2 * j * 16);
+      return make(M ? _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80))) : raw);
     } else if constexpr (T == kQ4_K) {  // byte plane k of the sub-block pair, this sub-block's nibble
       return make(_mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4));
     } else if constexpr (T == kQ5_K) {  // and bit s of qh planes k at bit 4 (16-bit shifts: one bit per byte survives)
@@ -920,9 +999,11 @@ struct FastPairs {
         const __m256i hp = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (j / 4) * 16)));
         const int b = (2 * j) % 8;
         const __m256i bit = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(2 << b)), _mm_set1_epi8(static_cast<char>(1 << b)));
-        if constexpr (T == kQ5_1) return make(_mm256_mask_add_epi8(nib, _mm256_test_epi8_mask(hp, bit), nib, _mm256_set1_epi8(16)));
+        if constexpr (T == kQ5_1 || M)  // Q5_0's magic form: q + 16 unsigned, as Q5_1's
+          return make(_mm256_mask_add_epi8(nib, _mm256_test_epi8_mask(hp, bit), nib, _mm256_set1_epi8(16)));
         return make(_mm256_mask_sub_epi8(nib, _mm256_testn_epi8_mask(hp, bit), nib, _mm256_set1_epi8(16)));
       } else if constexpr (T == kQ4_0) {
+        if constexpr (M) return make(nib);
         return make(_mm256_sub_epi8(nib, _mm256_set1_epi8(8)));
       }
       return make(nib);
@@ -930,13 +1011,19 @@ struct FastPairs {
   }
 };
 
+// Inlined into every caller (the two forms' loops made GCC call it out of line for some types: 5% slower).
 template <int64_t T>
-inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out) {
+__attribute__((always_inline)) inline void widen_sub_bf16(const uint8_t* panel, int64_t k0, uint16_t* out) {
   static_assert(FastPairs<T>::kOk);
   FastPairs<T> fp;
   fp.init(panel, k0);
-  PAGEDSERVE_UNROLL
-  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.get(j));
+  if (fp.magic) {
+    PAGEDSERVE_UNROLL
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.template get<true>(j));
+  } else {
+    PAGEDSERVE_UNROLL
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.template get<false>(j));
+  }
 }
 
 // The few-rows kernel (M <= 4): the same chains with the weights widened and paired in registers (no buffer),
@@ -950,24 +1037,37 @@ void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t
   for (int i = 0; i < R * P; ++i) c[i] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     FastPairs<T> fp[P];
+    bool magic = true;
     PAGEDSERVE_UNROLL
-    for (int p = 0; p < P; ++p) fp[p].init(panel + p * pstride, k0);
+    for (int p = 0; p < P; ++p) {
+      fp[p].init(panel + p * pstride, k0);
+      magic = magic && fp[p].magic;
+    }
     prefetch_stream(panel, (k0 / 32) * P * step_bytes, P * step_bytes);
-    PAGEDSERVE_UNROLL
-    for (int j = 0; j < 16; ++j) {
-      __m512bh a[R];
+    const auto steps = [&]<bool Magic>() {
       PAGEDSERVE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * xs + k0 + 2 * j, 4);
-        a[r] = (__m512bh)_mm512_set1_epi32(pair);
-      }
-      PAGEDSERVE_UNROLL
-      for (int p = 0; p < P; ++p) {
-        const __m512bh wv = (__m512bh)fp[p].get(j);
+      for (int j = 0; j < 16; ++j) {
+        __m512bh a[R];
         PAGEDSERVE_UNROLL
-        for (int r = 0; r < R; ++r) c[r * P + p] = _mm512_dpbf16_ps(c[r * P + p], a[r], wv);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * xs + k0 + 2 * j, 4);
+          a[r] = (__m512bh)_mm512_set1_epi32(pair);
+        }
+        PAGEDSERVE_UNROLL
+        for (int p = 0; p < P; ++p) {
+          const __m512bh wv = (__m512bh)fp[p].template get<Magic>(j);
+          PAGEDSERVE_UNROLL
+          for (int r = 0; r < R; ++r) c[r * P + p] = _mm512_dpbf16_ps(c[r * P + p], a[r], wv);
+        }
       }
+    };
+    if (magic) {
+      steps.template operator()<true>();
+    } else {
+      PAGEDSERVE_UNROLL
+      for (int p = 0; p < P; ++p) fp[p].to_slow();
+      steps.template operator()<false>();
     }
   }
   PAGEDSERVE_UNROLL
