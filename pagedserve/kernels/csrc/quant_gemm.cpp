@@ -780,7 +780,7 @@ struct FastPairs {
   const uint8_t* h;       // Q5_0, Q5_1, Q5_K, Q6_K: the high-bit planes
   __m512 d0, d1, m0, m1;  // (scale_r, scale_r) for rows 0-7 and 8-15, and the mins (Q6_K: the second scale)
   __m128i sh, hs;         // Q4_K, Q5_K, Q6_K: the nibble shift; Q5_K, Q6_K: the high bits' shift
-  bool magic = false;     // init found make's magic form exact for this sub-block (see there): get<true>
+  bool magic = false;     // init found make's magic form exact for this sub-block (see there): get2<true>
 
   // A 16-lane row vector -> (v_r, v_r) pairs for rows 0-7 and 8-15 (scales: times make's kUnit, exact).
   static inline void pairs(__m512 v, __m512& lo, __m512& hi) {
@@ -857,8 +857,9 @@ struct FastPairs {
   static constexpr __mmask64 kMagicByte = T == kQ8_0 ? 0x2222222222222222ull : 0x4444444444444444ull;
   static constexpr float kOffset = T == kQ4_0 ? 8.f : T == kQ5_0 ? 16.f : T == kQ8_0 ? 128.f : 0.f;
 
-  static inline __m512i byte_idx(int row0) {  // lane l: byte (l % 2) * 16 + row0 + l / 2 of the 32, in every byte
-    const auto b = [row0](int l) { return static_cast<int>(((l % 2) * 16 + row0 + l / 2) * 0x01010101u); };
+  // Lane l: byte 32 half + (l % 2) * 16 + row0 + l / 2 of the 64, in every byte.
+  static inline __m512i byte_idx(int row0, int half) {
+    const auto b = [=](int l) { return static_cast<int>((32 * half + (l % 2) * 16 + row0 + l / 2) * 0x01010101u); };
     return _mm512_set_epi32(b(15), b(14), b(13), b(12), b(11), b(10), b(9), b(8), b(7), b(6), b(5), b(4), b(3), b(2),
                             b(1), b(0));
   }
@@ -910,19 +911,19 @@ struct FastPairs {
     }
   }
 
+  // 64 bytes, [byte plane a (16 rows) | plane a + 1] twice -> pair vector of the two k's of the half's planes.
   template <bool Magic>
-  inline __m512i make(__m256i ab, bool second = false) const {
-    const __m512i v = _mm512_castsi256_si512(ab);
+  inline __m512i make(__m512i v, int half, bool second) const {
     __m512 f0, f1;
     if constexpr (Magic && kMagic) {
       const __m512i base = _mm512_set1_epi32(kBase);
-      f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(0), v)), d0, m0);
-      f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(8), v)), d1, m1);
+      f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(0, half), v)), d0, m0);
+      f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(8, half), v)), d1, m1);
       return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
     }
     constexpr __mmask64 top = 0x8888888888888888ull;
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, byte_idx(0), v));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, byte_idx(8), v));
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, byte_idx(0, half), v));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, byte_idx(8, half), v));
     if constexpr (kKScales) {  // d * scale * q - dmin * min
       f0 = _mm512_fmsub_ps(q0, d0, m0);
       f1 = _mm512_fmsub_ps(q1, d1, m1);
@@ -944,7 +945,8 @@ struct FastPairs {
     pairs(m, m0, m1);
   }
   template <bool Magic>
-  inline __m512i make(__m256i ab, bool second = false) const {
+  inline __m512i make(__m512i v, int half, bool second) const {
+    const __m256i ab = half ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
     const __m128i a = _mm256_castsi256_si128(ab), b = _mm256_extracti128_si256(ab, 1);
     const __m128i r0 = _mm_unpacklo_epi8(a, b), r1 = _mm_unpackhi_epi8(a, b);  // rows 0-7, 8-15: (k, k+1)
     __m512 f0, f1;
@@ -965,49 +967,57 @@ struct FastPairs {
   }
 #endif
 
-  static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static inline __m512i load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
-  // The pair vector of k = 2 j, 2 j + 1 (j < 16) of the sub-block; Magic: in make's magic form (where init set magic).
+  // Pair vectors j and j + 1 (j even) of the sub-block (the pair vector of j: k = 2 j, 2 j + 1), made from one
+  // 64-byte source, the byte planes of j and those of j + 1 side by side, so each op on the quants serves two pair
+  // vectors. Magic: in make's magic form (where init set magic).
   template <bool Magic>
-  inline __m512i get(int j) const {
+  inline void get2(int j, __m512i& g0, __m512i& g1) const {
     constexpr bool M = Magic && kMagic;
-    const auto make = [this](__m256i ab, bool second = false) { return this->template make<M>(ab, second); };
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if constexpr (T == kQ8_0) {
-      const __m256i raw = load32(q + 2 * j * 16);
-      return make(M ? _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80))) : raw);
-    } else if constexpr (T == kQ4_K) {  // byte plane k of the sub-block pair, this sub-block's nibble
-      return make(_mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4));
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i v;
+    if constexpr (T == kQ8_0) {  // byte planes 2 j .. 2 j + 3 (Q8_0's magic form: unsigned, the sign bit flipped)
+      v = load64(q + 2 * j * 16);
+      if constexpr (M) v = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+    } else if constexpr (T == kQ4_K) {  // byte planes k of the sub-block pair, this sub-block's nibble
+      v = _mm512_and_si512(_mm512_srl_epi16(load64(q + 2 * j * 16), sh), low4);
     } else if constexpr (T == kQ5_K) {  // and bit s of qh planes k at bit 4 (16-bit shifts: one bit per byte survives)
-      const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4);
-      const __m256i hi = _mm256_slli_epi16(
-          _mm256_and_si256(_mm256_srl_epi16(load32(h + 2 * j * 16), hs), _mm256_set1_epi8(0x01)), 4);
-      return make(_mm256_or_si256(nib, hi));
+      const __m512i nib = _mm512_and_si512(_mm512_srl_epi16(load64(q + 2 * j * 16), sh), low4);
+      const __m512i hi = _mm512_slli_epi16(
+          _mm512_and_si512(_mm512_srl_epi16(load64(h + 2 * j * 16), hs), _mm512_set1_epi8(0x01)), 4);
+      v = _mm512_or_si512(nib, hi);
     } else if constexpr (T == kQ6_K) {  // low 4 bits from ql, bits 4-5 from qh, minus 32
-      const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(load32(q + 2 * j * 16), sh), low4);
-      const __m256i hi = _mm256_slli_epi16(
-          _mm256_and_si256(_mm256_srl_epi16(load32(h + 2 * j * 16), hs), _mm256_set1_epi8(0x03)), 4);
-      return make(_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), j >= 8);
+      const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(load64(q + 2 * j * 16), sh), low4);
+      const __m512i hi = _mm512_slli_epi16(
+          _mm512_and_si512(_mm512_srl_epi16(load64(h + 2 * j * 16), hs), _mm512_set1_epi8(0x03)), 4);
+      v = _mm512_sub_epi8(_mm512_or_si512(lo, hi), _mm512_set1_epi8(32));
     } else {
-      const int jj = j & 7;  // byte planes 2 jj, 2 jj + 1: low nibbles k = 2 jj.., high nibbles k = 16 + 2 jj..
-      const __m256i raw = load32(q + 2 * jj * 16);
-      const __m256i nib = j < 8 ? _mm256_and_si256(raw, low4) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      const int jj = j & 7;  // byte planes 2 jj .. 2 jj + 3: low nibbles k = 2 jj.., high nibbles k = 16 + 2 jj..
+      const __m512i raw = load64(q + 2 * jj * 16);
+      const __m512i nib = j < 8 ? _mm512_and_si512(raw, low4) : _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
       if constexpr (T == kQ5_0 || T == kQ5_1) {
         // Q5_0: q - 16 = nib where the high bit is set, else nib - 16; Q5_1: q = nib + 16 where it is set. k = 2 j,
-        // 2 j + 1 take bits b, b + 1 (b = 2 j % 8) of qh byte plane j / 4: that plane in both halves, tested against
-        // those bits (one mask bit per byte).
-        const __m256i hp = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (j / 4) * 16)));
+        // 2 j + 1 (and 2 j + 2, 2 j + 3: pair vector j + 1) take bits b .. b + 3 (b = 2 j % 8) of qh byte plane
+        // j / 4: that plane in each 16-byte quarter, tested against its bit (one mask bit per byte).
+        const __m512i hp = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + (j / 4) * 16)));
         const int b = (2 * j) % 8;
-        const __m256i bit = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(2 << b)), _mm_set1_epi8(static_cast<char>(1 << b)));
+        const __m512i bit = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi8(static_cast<char>(2 << b)),
+                                                    _mm_set1_epi8(static_cast<char>(1 << b)))),
+            _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(8 << b)), _mm_set1_epi8(static_cast<char>(4 << b))), 1);
         if constexpr (T == kQ5_1 || M)  // Q5_0's magic form: q + 16 unsigned, as Q5_1's
-          return make(_mm256_mask_add_epi8(nib, _mm256_test_epi8_mask(hp, bit), nib, _mm256_set1_epi8(16)));
-        return make(_mm256_mask_sub_epi8(nib, _mm256_testn_epi8_mask(hp, bit), nib, _mm256_set1_epi8(16)));
-      } else if constexpr (T == kQ4_0) {
-        if constexpr (M) return make(nib);
-        return make(_mm256_sub_epi8(nib, _mm256_set1_epi8(8)));
+          v = _mm512_mask_add_epi8(nib, _mm512_test_epi8_mask(hp, bit), nib, _mm512_set1_epi8(16));
+        else
+          v = _mm512_mask_sub_epi8(nib, _mm512_testn_epi8_mask(hp, bit), nib, _mm512_set1_epi8(16));
+      } else if constexpr (T == kQ4_0 && !M) {
+        v = _mm512_sub_epi8(nib, _mm512_set1_epi8(8));
+      } else {
+        v = nib;
       }
-      return make(nib);
     }
+    g0 = make<M>(v, 0, j >= 8);
+    g1 = make<M>(v, 1, j >= 8);
   }
 };
 
@@ -1017,12 +1027,19 @@ __attribute__((always_inline)) inline void widen_sub_bf16(const uint8_t* panel, 
   static_assert(FastPairs<T>::kOk);
   FastPairs<T> fp;
   fp.init(panel, k0);
+  const auto pairs = [&]<bool Magic>() {
+    PAGEDSERVE_UNROLL
+    for (int j = 0; j < 16; j += 2) {
+      __m512i g0, g1;
+      fp.template get2<Magic>(j, g0, g1);
+      _mm512_storeu_si512(out + j * 32, g0);
+      _mm512_storeu_si512(out + (j + 1) * 32, g1);
+    }
+  };
   if (fp.magic) {
-    PAGEDSERVE_UNROLL
-    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.template get<true>(j));
+    pairs.template operator()<true>();
   } else {
-    PAGEDSERVE_UNROLL
-    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * 32, fp.template get<false>(j));
+    pairs.template operator()<false>();
   }
 }
 
@@ -1046,19 +1063,24 @@ void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t
     prefetch_stream(panel, (k0 / 32) * P * step_bytes, P * step_bytes);
     const auto steps = [&]<bool Magic>() {
       PAGEDSERVE_UNROLL
-      for (int j = 0; j < 16; ++j) {
-        __m512bh a[R];
+      for (int j = 0; j < 16; j += 2) {
+        __m512i wv[P][2];
         PAGEDSERVE_UNROLL
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, x + r * xs + k0 + 2 * j, 4);
-          a[r] = (__m512bh)_mm512_set1_epi32(pair);
-        }
+        for (int p = 0; p < P; ++p) fp[p].template get2<Magic>(j, wv[p][0], wv[p][1]);
         PAGEDSERVE_UNROLL
-        for (int p = 0; p < P; ++p) {
-          const __m512bh wv = (__m512bh)fp[p].template get<Magic>(j);
+        for (int h = 0; h < 2; ++h) {
+          __m512bh a[R];
           PAGEDSERVE_UNROLL
-          for (int r = 0; r < R; ++r) c[r * P + p] = _mm512_dpbf16_ps(c[r * P + p], a[r], wv);
+          for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, x + r * xs + k0 + 2 * (j + h), 4);
+            a[r] = (__m512bh)_mm512_set1_epi32(pair);
+          }
+          PAGEDSERVE_UNROLL
+          for (int p = 0; p < P; ++p) {
+            PAGEDSERVE_UNROLL
+            for (int r = 0; r < R; ++r) c[r * P + p] = _mm512_dpbf16_ps(c[r * P + p], a[r], (__m512bh)wv[p][h]);
+          }
         }
       }
     };
@@ -1222,11 +1244,15 @@ void gemv_amx(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstri
   _tile_zero(0);
   if constexpr (P > 1) _tile_zero(1);
   const int64_t xb = xs * 2;
-  for (int64_t k0 = 0, i = 0; k0 < K; k0 += 32, ++i) {
-    uint16_t(*b)[16 * 32] = bb[i & 1];
+  const auto widen = [&](int64_t k0, uint16_t(*b)[16 * 32]) {
     prefetch_stream(panel, (k0 / 32) * P * step_bytes, P * step_bytes);
     PAGEDSERVE_UNROLL
     for (int p = 0; p < P; ++p) widen_sub_bf16<T>(panel + p * pstride, k0, b[p]);
+  };
+  widen(0, bb[0]);
+  for (int64_t k0 = 0, i = 0; k0 < K; k0 += 32, ++i) {
+    uint16_t(*b)[16 * 32] = bb[i & 1];
+    if (k0 + 32 < K) widen(k0 + 32, bb[(i + 1) & 1]);  // a step ahead: the tile loads below find b's stores done
     _tile_loadd(4, x + k0, xb);
     _tile_loadd(6, b[0], 64);
     if constexpr (P > 1) _tile_loadd(7, b[1], 64);
