@@ -2,12 +2,14 @@
 both alike (these machines vary by up to 1.7x within minutes).
 
     python benchmarks/ab_builds.py A.so B.so --workload W2 --reps 6 [--input-len 32] [--model M]
+                                   [--a-config KEY=VALUE ...] [--b-config KEY=VALUE ...]
 
 A.so / B.so: extension builds, e.g. ~/.cache/torch_extensions/py311_cpu/pagedserve_cpu_<hash>/pagedserve_cpu_<hash>.so
 of two commits (an older commit's build: `git worktree add /tmp/old <commit>` and import pagedserve from there once).
 Each build gets its own engine (same model, same random prompts); W1 is 128 prompts of 128 ids, 128 out; W2 one
 request of 32 ids, 256 out, averaged over its decode steps; W3 16 prompts of 1,024 ids, 1 out (prompt tok/s). Prints
-both figures per repetition and the medians.
+both figures per repetition and the medians. --a-config / --b-config set EngineConfig fields of one engine only
+(e.g. the same build twice with --b-config huge_pages=false: a config switch A/B in one process).
 """
 
 from __future__ import annotations
@@ -69,6 +71,17 @@ def run_w2(engine: LLMEngine, prompt: list[int], tag: str) -> float:
     return (len(times) - prefill) / sum(times[prefill:])
 
 
+def config_value(item: str) -> tuple[str, object]:
+    """KEY=VALUE -> (key, value): true/false, an int, a float, else the string."""
+    key, _, text = item.partition("=")
+    for parse in (int, float):
+        try:
+            return key, parse(text)
+        except ValueError:
+            pass
+    return key, {"true": True, "false": False}.get(text.lower(), text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a")
@@ -78,12 +91,16 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--input-len", type=int, default=32,
                     help="W2's prompt length (e.g. 6144: decode at a long context)")
+    ap.add_argument("--a-config", nargs="*", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--b-config", nargs="*", default=[], metavar="KEY=VALUE")
     args = ap.parse_args()
     engines = []
-    for path in (args.a, args.b):
+    for path, overrides in ((args.a, args.a_config), (args.b, args.b_config)):
         build = load_build(path)
         kernels.load_extension = lambda arch="native", build=build: build  # what CpuKernels.build loads
-        engines.append(LLMEngine(EngineConfig(dtype="auto", **({"model": args.model} if args.model else {}))))
+        fields = {"model": args.model} if args.model else {}
+        fields.update(config_value(item) for item in overrides)
+        engines.append(LLMEngine(EngineConfig(dtype="auto", **fields)))
     figures: list[list[float]] = [[], []]
     unit = {"W1": "output tok/s", "W2": "decode tok/s", "W3": "prompt tok/s"}[args.workload]
     for rep in range(args.reps):

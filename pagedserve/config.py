@@ -94,6 +94,9 @@ class EngineConfig:
     amx: bool = _env_knob(
         "amx", "bf16 matmuls over GGUF blocks and the bf16 prefill attention on AMX tiles (CPUs with AMX; the "
         "whole process); off: AVX512-BF16 pair dot products")
+    huge_pages: bool = _env_knob(
+        "huge_pages", "on cpu: the KV cache and the C++ kernels' packed weights in memory the OS may back with 2 MB "
+        "pages (Linux transparent huge pages, madvise mode: fewer TLB misses where a step streams them)")
     int8_activations: bool = _env_knob(
         "int8_activations", "decode-sized matmuls over GGUF blocks read in place (every type: Q4_0 ... Q6_K) "
         "quantize the activations to int8 per 32 (llama.cpp's and vLLM's GGUF numerics: integer dot products, "

@@ -102,7 +102,8 @@ class LLMEngine:
             f" on each of {config.tensor_parallel_size} ranks" if tp is not None else "",
             cap.num_tokens, cap.max_concurrency(self.max_model_len), self.max_model_len,
         )
-        self.kv_caches = allocate_kv_cache(rank_cfg, num_blocks, config.block_size, self.dtype, config.device)
+        self.kv_caches = allocate_kv_cache(rank_cfg, num_blocks, config.block_size, self.dtype, config.device,
+                                           config.huge_pages)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),

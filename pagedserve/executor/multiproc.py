@@ -94,7 +94,7 @@ def worker_main(rank: int, size: int, init_method: str, num_threads: int | None 
         loaded, rank_cfg = load_rank(config, tp)
         num_blocks = tp.broadcast()
         dtype = loaded.model.dtype
-        kv = allocate_kv_cache(rank_cfg, num_blocks, config.block_size, dtype, config.device)
+        kv = allocate_kv_cache(rank_cfg, num_blocks, config.block_size, dtype, config.device, config.huge_pages)
         runner = ModelRunner(loaded.model, kv, config, None)
         tp.broadcast()  # rank 0's runner is ready too: the first step follows
         while (inputs := tp.broadcast()) is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.kernels import huge_pages
 from pagedserve.kernels.build import load_extension
 from pagedserve.kernels.cpu_info import CpuInfo, cpu_info
 
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["CpuInfo", "CpuKernels", "cpu_info", "load_extension"]
+
+
+def huge_pages_arena() -> huge_pages.Arena | None:
+    return huge_pages.Arena() if huge_pages.supported() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +55,14 @@ class CpuKernels:
     # Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K).
     quant_i8: bool = False
     quant_i8_types: frozenset[int] = frozenset()
+    # Where the model keeps its packed weights (`resident`): an arena of memory the OS may back with 2 MB pages
+    # (huge_pages.py; EngineConfig.huge_pages), else None (as packed).
+    arena: huge_pages.Arena | None = None
 
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
               decode_stack: bool = True, fixed_matmuls: bool | None = None,
-              amx: bool = True, int8_activations: bool = False) -> CpuKernels | None:
+              amx: bool = True, int8_activations: bool = False, huge_pages: bool = False) -> CpuKernels | None:
         ext = load_extension(arch)
         if ext is None:
             return None
@@ -73,6 +81,7 @@ class CpuKernels:
             quant_bf16=ext.has_quant_bf16(),
             quant_i8=int8_activations and ext.has_quant_i8(),
             quant_i8_types=frozenset(ext.quant_i8_types()),
+            arena=huge_pages_arena() if huge_pages else None,
         )
 
     @classmethod
@@ -83,7 +92,8 @@ class CpuKernels:
             return None
         kernels = cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
                             decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
-                            amx=config.amx, int8_activations=config.int8_activations)
+                            amx=config.amx, int8_activations=config.int8_activations,
+                            huge_pages=config.huge_pages)
         if kernels is not None and config.int8_activations and not kernels.quant_i8:
             logger.warning("int8_activations: this CPU (or build) has no AVX2 + FMA + F16C; decode matmuls keep the "
                            "model's activations (bf16 / float32)")
@@ -95,6 +105,12 @@ class CpuKernels:
         granted by the OS; other bits than the vdpbf16ps routes, so one route serves every row count). The switch
         is the process's, set by the last `build`."""
         return self.ext.amx_active()
+
+    def resident(self, packed):
+        """A packed weight (a tensor or quant_pack's list) as the model keeps it: copied into the arena, or as is."""
+        if self.arena is None:
+            return packed
+        return [self.arena.copy(t) for t in packed] if isinstance(packed, list) else self.arena.copy(packed)
 
     def replace(self, **changes: Any) -> CpuKernels:
         """A copy with some capabilities switched off (tests and benchmarks compare paths this way)."""

@@ -472,8 +472,8 @@ class LlamaForCausalLM(nn.Module):
         quant = []
         for run in runs:
             raw = run[0].raw if len(run) == 1 else torch.cat([t.raw for t in run])
-            quant.append(QuantPart(run[0].type_id, kernels.quant_pack(raw.contiguous(), run[0].type_id),
-                                   sum(t.shape[0] for t in run)))
+            packed = kernels.resident(kernels.quant_pack(raw.contiguous(), run[0].type_id))
+            quant.append(QuantPart(run[0].type_id, packed, sum(t.shape[0] for t in run)))
         module, _ = self._owner(name)
         self._block_kernels = kernels
         if name == "embed_tokens.weight":
@@ -505,15 +505,17 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_quant is not None or any(r.quant for r in self.matmul_routes())
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight this model holds (dense parameters, GGUF blocks, packed copies), each
-        storage counted once."""
-        seen: dict[int, int] = {}
+        """Bytes of every weight this model holds (dense parameters, GGUF blocks, packed copies): the union of
+        the tensors' byte ranges, so views of one storage count once and packed copies side by side in an
+        arena chunk (kernels/huge_pages.py) count by what they take, not by the chunk's size."""
+        spans: list[tuple[int, int]] = []
 
         def add(t: torch.Tensor | None) -> None:
             if t is None or t.device.type == "meta" or t.numel() == 0:
                 return
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            # elements from the first to the last
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
 
         for p in self.parameters():
             add(p)
@@ -528,4 +530,9 @@ class LlamaForCausalLM(nn.Module):
         for part in parts:
             for t in part.packed:
                 add(t)
-        return sum(seen.values())
+        total, end = 0, 0
+        for lo, hi in sorted(spans):
+            if hi > end:
+                total += hi - max(lo, end)
+                end = hi
+        return total

@@ -245,13 +245,13 @@ class MatmulRoutes:
         if batch_invariant and kernels is None:
             raise ValueError("batch_invariant: needs the C++ kernels (they could not be built or are off)")
         if batch_invariant or (kernels is not None and kernels.fixed_matmuls):
-            self.fixed = kernels.fixed_pack(weight.detach())
+            self.fixed = kernels.resident(kernels.fixed_pack(weight.detach()))
             self.few_rows = self.many_rows = Route.FIXED
             return
         if float32_out and bf16:
             # float32 logits from bf16 weights: float32 sums all the way, never a bf16 rounding.
             if kernels is not None:
-                self.fixed = kernels.fixed_pack(weight.detach())
+                self.fixed = kernels.resident(kernels.fixed_pack(weight.detach()))
             many_fixed = kernels is not None and not cpu_info().has_avx512
             if not many_fixed:
                 self.weight_f32 = weight.detach().float()

@@ -87,7 +87,8 @@ class DraftModelProposer:
                              f"shorter than max_model_len ({max_model_len})")
         self.config = cfg
         self.kv = kv
-        self.kv_caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, config.device)
+        self.kv_caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, config.device,
+                                          config.huge_pages)
         self.runner = ModelRunner(loaded.model, self.kv_caches, config, loaded.gguf_blocks)
         elem = torch.tensor([], dtype=dtype).element_size()
         cache_bytes = 2 * cfg.num_layers * num_blocks * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
