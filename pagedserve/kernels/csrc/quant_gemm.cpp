@@ -1027,7 +1027,7 @@ __attribute__((always_inline)) inline void widen_sub_bf16(const uint8_t* panel, 
   static_assert(FastPairs<T>::kOk);
   FastPairs<T> fp;
   fp.init(panel, k0);
-  const auto pairs = [&]<bool Magic>() {
+  const auto steps = [&]<bool Magic>() {
     PAGEDSERVE_UNROLL
     for (int j = 0; j < 16; j += 2) {
       __m512i g0, g1;
@@ -1037,9 +1037,9 @@ __attribute__((always_inline)) inline void widen_sub_bf16(const uint8_t* panel, 
     }
   };
   if (fp.magic) {
-    pairs.template operator()<true>();
+    steps.template operator()<true>();
   } else {
-    pairs.template operator()<false>();
+    steps.template operator()<false>();
   }
 }
 
