@@ -8,7 +8,10 @@ default `madvise` mode the kernel backs a 2 MB-aligned range with 2 MB pages whe
 Rapids (2 threads): the 121 matmuls of a SmolLM2 Q4_1 decode step, cold, 6.84 -> 5.71 ms.
 
 Where the OS cannot (not Linux, THP `never`, no free 2 MB pages) the memory is the same memory with 4 KB
-pages: only the speed differs. Tensors under 2 MB stay ordinary torch allocations.
+pages: only the speed differs. Tensors under 2 MB stay ordinary torch allocations. A range is advised only where
+the kernel has at least twice its 2 MB pages free already (/proc/buddyinfo): on a fragmented machine the kernel
+would compact memory inside the page faults first (THP's default `defrag` for advised ranges), and an engine
+start once took 73 s instead of 3 that way, right after the test suite had filled the page cache.
 """
 
 from __future__ import annotations
@@ -25,6 +28,38 @@ def supported() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE")
 
 
+def free_pages() -> int | None:
+    """2 MB pages the kernel has free now: /proc/buddyinfo's free blocks of order 9 and up (4 KB base pages), in 2 MB
+    units; None where it cannot be read."""
+    try:
+        with open("/proc/buddyinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:  # "Node 0, zone   Normal   <free blocks of order 0> <order 1> ..."
+        counts = line.split()[4:]
+        total += sum(int(n) << (order - 9) for order, n in enumerate(counts) if order >= 9)
+    return total
+
+
+def enough_free(length: int) -> bool:
+    """Whether a range of `length` bytes may be advised: the kernel has twice its 2 MB pages free (or cannot say)."""
+    free = free_pages()
+    return free is None or -(-length // PAGE) * 2 <= free
+
+
+def _advise(mapping: mmap.mmap, start: int, length: int) -> bool:
+    """MADV_HUGEPAGE on mapping[start:start + length] where enough_free (see the module's doc)."""
+    if not enough_free(length):
+        return False
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, length)
+    except OSError:  # a kernel without THP: plain pages
+        return False
+    return True
+
+
 def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, touch: bool = True) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor; from 2 MB up, its data starts on a 2 MB boundary of an anonymous mapping
     advised MADV_HUGEPAGE (zero until written) and, with touch, is written once here (its pages are taken now,
@@ -38,10 +73,7 @@ def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, touch: bool =
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping`
     start = -raw.data_ptr() % PAGE
     length = (nbytes + PAGE - 1) // PAGE * PAGE
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, min(length, size - start))
-    except OSError:  # a kernel without THP: plain pages
-        pass
+    _advise(mapping, start, min(length, size - start))
     out = raw[start:start + nbytes].view(dtype).view(shape)
     if touch:
         out.zero_()

@@ -33,6 +33,21 @@ def test_zeros_from_2_mb_is_zeroed_memory_on_a_2_mb_boundary(shape, dtype):
     assert not untouched.any()  # an anonymous mapping reads zero before any write
 
 
+@needs_madvise
+def test_huge_pages_are_asked_for_only_where_the_kernel_has_them_free(monkeypatch):
+    free = huge_pages.free_pages()
+    assert free is None or free >= 0  # this machine's /proc/buddyinfo, read
+    page = huge_pages.PAGE
+    monkeypatch.setattr(huge_pages, "free_pages", lambda: 5)
+    assert huge_pages.enough_free(2 * page) and huge_pages.enough_free(2 * page + 1 - page)
+    assert not huge_pages.enough_free(3 * page) and not huge_pages.enough_free(2 * page + 1)
+    monkeypatch.setattr(huge_pages, "free_pages", lambda: None)  # cannot say: ask
+    assert huge_pages.enough_free(1000 * page)
+    monkeypatch.setattr(huge_pages, "free_pages", lambda: 0)  # none free: the memory is the same, 4 KB pages
+    t = huge_pages.zeros((3 * page,), torch.uint8)
+    assert t.data_ptr() % page == 0 and not t.any()
+
+
 def test_zeros_under_2_mb_is_an_ordinary_tensor():
     t = huge_pages.zeros((100, 100), torch.float32)
     assert t.shape == (100, 100) and not t.any()
