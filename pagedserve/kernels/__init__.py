@@ -29,10 +29,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["CpuInfo", "CpuKernels", "cpu_info", "load_extension"]
 
 
-def huge_pages_arena() -> huge_pages.Arena | None:
-    return huge_pages.Arena() if huge_pages.supported() else None
-
-
 @dataclass(frozen=True, slots=True)
 class CpuKernels:
     ext: ModuleType  # the compiled extension (its functions are listed in csrc/bindings.cpp)
@@ -62,7 +58,7 @@ class CpuKernels:
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
               decode_stack: bool = True, fixed_matmuls: bool | None = None,
-              amx: bool = True, int8_activations: bool = False, huge_pages: bool = False) -> CpuKernels | None:
+              amx: bool = True, int8_activations: bool = False, use_huge_pages: bool = False) -> CpuKernels | None:
         ext = load_extension(arch)
         if ext is None:
             return None
@@ -81,7 +77,7 @@ class CpuKernels:
             quant_bf16=ext.has_quant_bf16(),
             quant_i8=int8_activations and ext.has_quant_i8(),
             quant_i8_types=frozenset(ext.quant_i8_types()),
-            arena=huge_pages_arena() if huge_pages else None,
+            arena=huge_pages.Arena() if use_huge_pages else None,
         )
 
     @classmethod
@@ -93,7 +89,7 @@ class CpuKernels:
         kernels = cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
                             decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
                             amx=config.amx, int8_activations=config.int8_activations,
-                            huge_pages=config.huge_pages)
+                            use_huge_pages=config.huge_pages)
         if kernels is not None and config.int8_activations and not kernels.quant_i8:
             logger.warning("int8_activations: this CPU (or build) has no AVX2 + FMA + F16C; decode matmuls keep the "
                            "model's activations (bf16 / float32)")

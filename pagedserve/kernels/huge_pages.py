@@ -49,15 +49,13 @@ def enough_free(length: int) -> bool:
     return free is None or -(-length // PAGE) * 2 <= free
 
 
-def _advise(mapping: mmap.mmap, start: int, length: int) -> bool:
+def _advise(mapping: mmap.mmap, start: int, length: int) -> None:
     """MADV_HUGEPAGE on mapping[start:start + length] where enough_free (see the module's doc)."""
-    if not enough_free(length):
-        return False
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, length)
-    except OSError:  # a kernel without THP: plain pages
-        return False
-    return True
+    if enough_free(length):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, start, length)
+        except OSError:  # a kernel without THP: plain pages
+            pass
 
 
 def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, touch: bool = True) -> torch.Tensor:
@@ -65,7 +63,7 @@ def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, touch: bool =
     advised MADV_HUGEPAGE (zero until written) and, with touch, is written once here (its pages are taken now,
     not in the first steps). The tensor keeps the mapping alive."""
     shape = tuple(shape)
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < PAGE or not supported():
         return torch.zeros(shape, dtype=dtype)
     size = nbytes + PAGE  # room to start on a 2 MB boundary

@@ -222,6 +222,19 @@ def bf16_route(kernels, request):
     assert kernels.ext.amx_active() == before
 
 
+def assert_unit_rows_read_the_bf16_weights(kernels, packed, qtype: Q, w: torch.Tensor) -> None:
+    """Unit rows read quant_linear_bf16's widened weights out exactly (one non-zero product per sum): every k of
+    every row of w (gguf-py's [n, k]) rounded to bf16, bit for bit, through the few-rows GEMV (1-4 rows) and the
+    buffered tiles (all k rows at once)."""
+    n, k = w.shape
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    expect = w.to(torch.bfloat16).float().t()
+    assert torch.equal(kernels.quant_linear_bf16(eye, packed, int(qtype), n, None, torch.float32), expect)
+    for k0 in range(0, k, 4):
+        got = kernels.quant_linear_bf16(eye[k0 : k0 + 4], packed, int(qtype), n, None, torch.float32)
+        assert torch.equal(got, expect[k0 : k0 + 4]), k0
+
+
 @needs_bf16
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
@@ -255,14 +268,7 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
         assert yb.dtype == torch.bfloat16 and torch.equal(yb, full[:m].to(torch.bfloat16))
     nob = kernels.quant_linear_bf16(x[:5], packed, int(qtype), n, None, torch.float32)
     assert torch.allclose(nob + bias, full[:5], rtol=0, atol=1e-5 * float(scale))
-    # Unit rows read the widened weights out exactly (one non-zero product per sum): every k of every row, bit for
-    # bit, through the few-rows GEMV (1-4 rows) and the buffered tiles (all k rows at once).
-    eye = torch.eye(k, dtype=torch.bfloat16)
-    expect = w.to(torch.bfloat16).float().t()
-    assert torch.equal(kernels.quant_linear_bf16(eye, packed, int(qtype), n, None, torch.float32), expect)
-    for k0 in range(0, k, 4):
-        got = kernels.quant_linear_bf16(eye[k0 : k0 + 4], packed, int(qtype), n, None, torch.float32)
-        assert torch.equal(got, expect[k0 : k0 + 4]), k0
+    assert_unit_rows_read_the_bf16_weights(kernels, packed, qtype, w)
 
 
 def _k_scales(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
@@ -325,12 +331,7 @@ def test_bf16_widening_in_both_forms_gives_the_same_weights(kernels, threads, bf
 
     w = dequantize(raw, qtype)
     packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
-    eye = torch.eye(k, dtype=torch.bfloat16)
-    expect = w.to(torch.bfloat16).float().t()
-    assert torch.equal(kernels.quant_linear_bf16(eye, packed, int(qtype), n, None, torch.float32), expect)
-    for k0 in range(0, k, 4):
-        got = kernels.quant_linear_bf16(eye[k0 : k0 + 4], packed, int(qtype), n, None, torch.float32)
-        assert torch.equal(got, expect[k0 : k0 + 4]), k0
+    assert_unit_rows_read_the_bf16_weights(kernels, packed, qtype, w)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(93)).to(torch.bfloat16)
     wb = w.to(torch.bfloat16).double()
     ref = x.double() @ wb.t()
