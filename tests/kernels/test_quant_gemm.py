@@ -276,22 +276,15 @@ def test_bf16_linear_uses_the_bf16_rounded_weights_and_is_batch_invariant(kernel
 
 
 def _k_scales(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [n, nb, 8] twice: each sub-block's d * scale and dmin * min of Q4_K / Q5_K blocks (as the kernels do)."""
+    """float32 [n, nb, 8] twice: each sub-block's d * scale and dmin * min of Q4_K / Q5_K blocks (as the kernels do),
+    the 6-bit scales unpacked by gguf-py's own Q4_K.get_scale_min (Q5_K packs them the same way)."""
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, gguf.GGML_QUANT_SIZES[qtype][1])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    sc = blocks[..., 4:16].astype(np.int64)
-    scale, mn = [], []
-    for j in range(8):
-        if j < 4:
-            scale.append(sc[..., j] & 63)
-            mn.append(sc[..., j + 4] & 63)
-        else:
-            scale.append((sc[..., j + 4] & 0xF) | ((sc[..., j - 4] >> 6) << 4))
-            mn.append((sc[..., j + 4] >> 4) | ((sc[..., j] >> 6) << 4))
-    return (d[..., None] * np.stack(scale, -1).astype(np.float32),
-            dmin[..., None] * np.stack(mn, -1).astype(np.float32))
+    scale, mn = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12).copy())
+    scale, mn = scale.reshape(*d.shape, 8), mn.reshape(*d.shape, 8)
+    return d[..., None] * scale.astype(np.float32), dmin[..., None] * mn.astype(np.float32)
 
 
 @needs_bf16
