@@ -1,7 +1,9 @@
 // What AMX tile instructions cost on this machine (issue 17, twenty-fifth part): TDPBF16PS, TILELOADD / TILELOADDT1
 // and TILESTORED alone, a 2 x 2 tile step (2 A + 2 B loads, 4 products: the matmuls' step) with its B tiles streamed
 // from buffers of growing size (L1, L2, beyond), and the many-rows matmul's A-major loop over a decode step's rows
-// (128 rows of x, K = 576, a fused SwiGLU group of 8 panels) with its variants.
+// (128 rows of x, K = 576, a fused SwiGLU group of 8 panels) with its variants; then (twenty-sixth part) that loop with
+// vector work beside each step -- register FMAs, L1 loads and stores, stores to a buffer beyond L1 -- each also timed
+// without the tile instructions, to see what overlaps the tile unit's work and what adds to it.
 //
 //   gcc -O2 -march=native -o /tmp/tile_costs benchmarks/amx/tile_costs.c && /tmp/tile_costs [tsc_to_core]
 //
@@ -159,6 +161,117 @@ int main(int argc, char** argv) {
           }
         }
     printf("A-major loop, %-48s %6.1f cycles per step\n", names[v], since(t0, steps));
+  }
+
+  // The A-major loop with vector work after each step's four tile products (a matmul's side work: an epilogue, the
+  // next group's widening), and the same loop without its tile instructions. FMAs on eight register chains; loads and
+  // stores of 64 bytes; "beyond L1": a buffer of `far` bytes written in order (4 MB: L2 / L3; 64 MB: memory), or two
+  // 64-byte lines per step 6,144 bytes apart (a 2,048 x 3,072 bf16 output's rows, as an item writes them).
+  static float l1f[4096] __attribute__((aligned(64)));
+  const long far_sizes[] = {4L << 20, 64L << 20};
+  const char* side_names[] = {"nothing", "16 FMAs", "32 FMAs", "64 FMAs", "8 L1 loads + 8 FMAs", "2 L1 stores",
+                              "8 L1 stores", "2 lines in order, far", "2 lines 6 KB apart, far", "8 lines in order, far"};
+  for (int fi = 0; fi < 2; ++fi) {
+    const long far = far_sizes[fi];
+    uint8_t* fb = aligned_alloc(4096, far);
+    memset(fb, 1, far);
+    printf("side work beside each A-major step (far: %ld MB)       tiles + side   side alone\n", far >> 20);
+    for (int v = 0; v < 10; ++v) {
+      if (fi == 1 && v < 7) continue;  // the far size changes only the far cases
+      double res[2];
+      for (int tiles = 1; tiles >= 0; --tiles) {
+        __m512 f0 = _mm512_set1_ps(1.f), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0;
+        const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
+        long steps = 0, pos = 0;
+        t0 = __rdtsc();
+        for (int rep = 0; rep < 500; ++rep)
+          for (int r0 = 0; r0 < M; r0 += 32)
+            for (int j = 0; j < slots; j += 2) {
+              const uint16_t *b0 = wb + j * K * 16, *b1 = b0 + K * 16, *x0 = x + r0 * K, *x1 = x0 + 16 * K;
+              if (tiles) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+              }
+              for (int k0 = 0; k0 < K; k0 += 32, ++steps) {
+                if (tiles) {
+                  _tile_stream_loadd(6, b0 + k0 * 16, 64);
+                  _tile_stream_loadd(7, b1 + k0 * 16, 64);
+                  _tile_loadd(4, x0 + k0, K * 2);
+                  _tile_loadd(5, x1 + k0, K * 2);
+                  _tile_dpbf16ps(0, 4, 6);
+                  _tile_dpbf16ps(1, 4, 7);
+                  _tile_dpbf16ps(2, 5, 6);
+                  _tile_dpbf16ps(3, 5, 7);
+                }
+#define FMA8 f0 = _mm512_fmadd_ps(f0, a, b); f1 = _mm512_fmadd_ps(f1, a, b); f2 = _mm512_fmadd_ps(f2, a, b); \
+             f3 = _mm512_fmadd_ps(f3, a, b); f4 = _mm512_fmadd_ps(f4, a, b); f5 = _mm512_fmadd_ps(f5, a, b); \
+             f6 = _mm512_fmadd_ps(f6, a, b); f7 = _mm512_fmadd_ps(f7, a, b);
+                const long l = (steps * 8) & 255;
+                float* p = (float*)(fb + pos);
+                switch (v) {
+                  case 1: FMA8 FMA8 break;
+                  case 2: FMA8 FMA8 FMA8 FMA8 break;
+                  case 3: FMA8 FMA8 FMA8 FMA8 FMA8 FMA8 FMA8 FMA8 break;
+                  case 4:
+                    f0 = _mm512_fmadd_ps(_mm512_load_ps(l1f + l * 16), a, f0);
+                    f1 = _mm512_fmadd_ps(_mm512_load_ps(l1f + (l + 1) * 16), a, f1);
+                    f2 = _mm512_fmadd_ps(_mm512_load_ps(l1f + (l + 2) * 16), a, f2);
+                    f3 = _mm512_fmadd_ps(_mm512_load_ps(l1f + (l + 3) * 16), a, f3);
+                    f4 = _mm512_fmadd_ps(_mm512_load_ps(l1f + (l + 4) * 16), a, f4);
+                    f5 = _mm512_fmadd_ps(_mm512_load_ps(l1f + (l + 5) * 16), a, f5);
+                    f6 = _mm512_fmadd_ps(_mm512_load_ps(l1f + (l + 6) * 16), a, f6);
+                    f7 = _mm512_fmadd_ps(_mm512_load_ps(l1f + (l + 7) * 16), a, f7);
+                    break;
+                  case 5:
+                    _mm512_store_ps(l1f + l * 16, f0);
+                    _mm512_store_ps(l1f + (l + 1) * 16, f1);
+                    break;
+                  case 6:
+                    _mm512_store_ps(l1f + l * 16, f0);
+                    _mm512_store_ps(l1f + (l + 1) * 16, f1);
+                    _mm512_store_ps(l1f + (l + 2) * 16, f2);
+                    _mm512_store_ps(l1f + (l + 3) * 16, f3);
+                    _mm512_store_ps(l1f + (l + 4) * 16, f4);
+                    _mm512_store_ps(l1f + (l + 5) * 16, f5);
+                    _mm512_store_ps(l1f + (l + 6) * 16, f6);
+                    _mm512_store_ps(l1f + (l + 7) * 16, f7);
+                    break;
+                  case 7:
+                    _mm512_store_ps(p, f0);
+                    _mm512_store_ps(p + 16, f1);
+                    pos = pos + 128 < far ? pos + 128 : 0;
+                    break;
+                  case 8:
+                    _mm512_store_ps(p, f0);
+                    _mm512_store_ps(p + 16, f1);
+                    pos += 6144;
+                    if (pos + 128 > far) pos = (pos + 128) % 6144;
+                    break;
+                  case 9:
+                    for (int i = 0; i < 8; ++i) _mm512_store_ps(p + 16 * i, f0);
+                    pos = pos + 512 < far ? pos + 512 : 0;
+                    break;
+                }
+#undef FMA8
+              }
+              if (tiles) {
+                float* cc = acc + r0 * 128 + j * 16;
+                _tile_stored(0, cc, 512);
+                _tile_stored(1, cc + 16, 512);
+                _tile_stored(2, cc + 16 * 128, 512);
+                _tile_stored(3, cc + 16 * 128 + 16, 512);
+              }
+            }
+        res[tiles] = since(t0, steps);
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f0, f1), _mm512_add_ps(f2, f3)),
+                                         _mm512_add_ps(_mm512_add_ps(f4, f5), _mm512_add_ps(f6, f7)));
+        l1f[0] += _mm512_reduce_add_ps(sum);  // keeps the chains live
+      }
+      printf("  %-30s                         %6.1f       %6.1f  cycles per step\n", side_names[v], res[1], res[0]);
+    }
+    free(fb);
   }
   _tile_release();
   return 0;
