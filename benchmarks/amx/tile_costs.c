@@ -3,7 +3,9 @@
 // from buffers of growing size (L1, L2, beyond), and the many-rows matmul's A-major loop over a decode step's rows
 // (128 rows of x, K = 576, a fused SwiGLU group of 8 panels) with its variants; then (twenty-sixth part) that loop with
 // vector work beside each step -- register FMAs, L1 loads and stores, stores to a buffer beyond L1 -- each also timed
-// without the tile instructions, to see what overlaps the tile unit's work and what adds to it.
+// without the tile instructions, to see what overlaps the tile unit's work and what adds to it; and operands that cross
+// between vector registers and tiles through L1 (a B tile written by vector stores, a C tile read by vector loads), read
+// in the step that writes them or later.
 //
 //   gcc -O2 -march=native -o /tmp/tile_costs benchmarks/amx/tile_costs.c && /tmp/tile_costs [tsc_to_core]
 //
@@ -78,6 +80,45 @@ int main(int argc, char** argv) {
     _tile_dpbf16ps(3, 5, 7);
   }
   printf("2 x 2 step, all tiles from L1              %6.1f cycles per step (4 products)\n", since(t0, n));
+
+
+  // Crossings through L1: a 2 x 2 step from L1 whose B tiles (one buffer per step, four in turn) were written by 16
+  // vector stores `lag` steps before (0: in this step, just before the tile load), or whose C tile 0 is stored and read
+  // back by 16 vector loads `lag` steps later.
+  static uint8_t ring[4][2][1024] __attribute__((aligned(64)));
+  static float cring[2][256] __attribute__((aligned(64)));
+  printf("crossings between vectors and tiles (2 x 2 step from L1)        cycles per step\n");
+  for (int v = 0; v < 7; ++v) {
+    const char* what[] = {"none", "B written by vector stores, tile-loaded at once",
+                          "B written by vector stores 1 step before", "B written by vector stores 2 steps before",
+                          "16 vector stores no tile reads", "C stored, read by vector loads at once",
+                          "C stored, read by vector loads 1 step later"};
+    __m512 f = _mm512_set1_ps(1.f), g = _mm512_setzero_ps();
+    t0 = __rdtsc();
+    for (long i = 0; i < n; ++i) {
+      const int lag = v == 2 ? 1 : v == 3 ? 2 : 0;
+      if (v >= 1 && v <= 3)
+        for (int q = 0; q < 16; ++q) _mm512_store_ps((float*)(ring[i & 3][0] + 64 * q), f);
+      if (v == 4)
+        for (int q = 0; q < 16; ++q) _mm512_store_ps((float*)(l1buf[7] + 64 * q), f);
+      const int rb = v >= 1 && v <= 3 ? (int)((i - lag) & 3) : 0;
+      _tile_loadd(6, ring[rb][0], 64);
+      _tile_loadd(7, ring[rb][1], 64);
+      _tile_loadd(4, l1buf[0], 64);
+      _tile_loadd(5, l1buf[1], 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+      if (v >= 5) {
+        _tile_stored(0, cring[i & 1], 64);
+        const float* rd = v == 5 ? cring[i & 1] : cring[(i + 1) & 1];
+        for (int q = 0; q < 16; ++q) g = _mm512_add_ps(g, _mm512_load_ps(rd + 16 * q));
+      }
+    }
+    printf("  %-56s %6.1f\n", what[v], since(t0, n));
+    l1buf[6][0] += (uint8_t)_mm512_reduce_add_ps(g);  // keeps the loads live
+  }
 
   // B tiles streamed through buffers of growing size; A from L1.
   const long sizes[] = {16 << 10, 256 << 10, 1 << 20, 1536 << 10, 8 << 20, 64 << 20};
