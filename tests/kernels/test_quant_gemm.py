@@ -658,3 +658,78 @@ def test_decode_stack_rejects_a_bad_quant_spec(kernels):
         one_layer(ext.MatmulSpec(7, None, None, packed, int(Q.Q2_K), n=32))
     with pytest.raises(RuntimeError, match="quant_types"):
         one_layer(ext.MatmulSpec(7, None, None, packed, int(Q.Q8_0)))  # neither n nor a weight
+
+
+# ---- DecodeStack's team (one parallel region per decode step of few sequences) ------------------------------
+
+
+@needs_bf16
+@pytest.mark.usefixtures("threads")
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route):
+    """A step of 1-4 sequences on the bf16 quantized route (8) runs as one team (every op in one parallel region, the
+    threads meeting at a barrier between ops): the same bits as with a parallel region per op (set_decode_team(False)),
+    on 1 and 2 threads, with a qkv bias and a sliding window; 5 sequences and the strict attention take the old path.
+    A bad block table raises inside the team as outside it, and the stack still runs afterwards."""
+    ext = kernels.ext
+    g = torch.Generator().manual_seed(21)
+    shapes = {"qkv": ((H + 2 * KVH) * D, HIDDEN), "o": (HIDDEN, H * D), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER)}
+    kinds = iter([Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.Q5_1])
+    layers = []
+    for i in range(2):
+        mats = {}
+        for j, (name, (n, k)) in enumerate(shapes.items()):
+            qtype = next(kinds)
+            packed = kernels.quant_pack(torch.from_numpy(random_blocks(qtype, n, k, seed=300 + 10 * i + j)), int(qtype))
+            bias = torch.randn(n, generator=g).bfloat16() if name == "qkv" else None
+            mats[name] = ext.MatmulSpec(8, None, bias, packed, int(qtype), n=n)
+        layers.append(((torch.rand(HIDDEN, generator=g) + 0.5).bfloat16(),
+                       (torch.rand(HIDDEN, generator=g) + 0.5).bfloat16(), mats, 8 * i))  # layer 1: an 8-key window
+    caches = [(torch.randn(16, BS, KVH, D, generator=g).bfloat16(), torch.randn(16, BS, KVH, D, generator=g).bfloat16())
+              for _ in layers]
+
+    def stack(strict: bool = False):
+        built = [ext.DecodeLayer(ln1, ln2, *(mats[n] for n in shapes), kc.clone(), vc.clone(), window=window)
+                 for (ln1, ln2, mats, window), (kc, vc) in zip(layers, caches, strict=True)]
+        return ext.DecodeStack(built, H, KVH, 1e-6, D**-0.5, strict)
+
+    seq_lens = torch.tensor([5, 17, 9, 30, 12])
+    block_tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]])
+    pos = seq_lens - 1
+    slots = block_tables[torch.arange(5), pos // BS] * BS + pos % BS
+    angles = torch.rand(5, D // 2, generator=g) * 6
+    x = torch.randn(5, HIDDEN, generator=g).bfloat16()
+    w = (torch.rand(HIDDEN, generator=g) + 0.5).bfloat16()
+
+    def run(b: int, team: bool, strict: bool = False, tables=block_tables):
+        before = ext.set_decode_team(team)
+        try:
+            s = stack(strict)
+            out = s.forward(x[:b].clone(), angles[:b].cos(), angles[:b].sin(), slots[:b], tables[:b], seq_lens[:b],
+                            final_norm=w)
+            # a second step: the next position of each sequence, over the K/V the first one wrote
+            nxt = s.forward(out.clone(), angles[:b].sin(), angles[:b].cos(), slots[:b] + 1, tables[:b],
+                            seq_lens[:b] + 1)
+            return out, nxt
+        finally:
+            ext.set_decode_team(before)
+
+    for nt in (1, 2):
+        torch.set_num_threads(nt)
+        for b in (1, 2, 4, 5):
+            ref = run(b, team=False)
+            steps = ext.decode_team_steps()
+            got = run(b, team=True)
+            assert ext.decode_team_steps() - steps == (2 if b <= 4 else 0), (nt, b)  # which path ran
+            assert all(torch.equal(r, o) for r, o in zip(ref, got, strict=True)), (nt, b)
+            assert not torch.equal(ref[0], ref[1])  # the second step differs: the comparison sees each step
+        steps = ext.decode_team_steps()
+        strict = run(3, team=True, strict=True)
+        assert ext.decode_team_steps() == steps
+        assert all(torch.equal(r, o) for r, o in zip(run(3, team=False, strict=True), strict, strict=True))
+    bad = block_tables.clone()
+    bad[1, 1] = 99  # outside the 16-block cache
+    with pytest.raises(RuntimeError, match="outside the cache|block id"):
+        run(2, team=True, tables=bad)
+    assert all(torch.equal(r, o) for r, o in zip(run(2, team=False), run(2, team=True), strict=True))

@@ -985,7 +985,7 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
   pair_b.reserve(B);
   pair_p.reserve(B);
   int64_t nsplit = 0;
-  const int64_t tasks = B * KVH * chunks, threads = at::get_num_threads();
+  const int64_t tasks = B * KVH * chunks, threads = g_team.t >= 0 ? g_team.n : at::get_num_threads();
   for (int64_t b = 0; b < B; ++b) {
     spans[b] = window_span(block_tables + b * bt_stride, seq_lens[b], BS, window);
     const int64_t P = parts[b] = decode_parts(spans[b].S, BS, tasks, threads, &per_part[b]);
@@ -1009,7 +1009,7 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
     const int64_t k0 = pp * per_part[bb];
     return {sp.table + k0 / BS, std::min(per_part[bb], sp.S - k0), pp == 0 ? sp.skip : 0};
   };
-  at::parallel_for(0, npairs * per_pair, 1, [&](int64_t begin, int64_t end) {
+  team_for(npairs * per_pair, 1, [&](int64_t begin, int64_t end) {  // a team: this thread's share
     thread_local std::vector<float> sc;
 #if defined(PAGEDSERVE_DECODE_BF16) && defined(PAGEDSERVE_AMX)
     amx::Tiles tiles;
@@ -1053,6 +1053,9 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
     }
   });
   if (nsplit == 0) return;
+  // DecodeStack's team runs this only where nothing is split (decode_attention_in_team): the partial results of one
+  // thread's partitions are not the other's to combine.
+  TORCH_CHECK(g_team.t < 0, "paged_decode_attention: a split batch in a decode team");
   // Each split sequence's heads: out = sum_p w_p o_p / sum_p w_p, w_p = sum_p e^(max_p - max).
   std::vector<int64_t> split;
   for (int64_t b = 0; b < B; ++b)
@@ -1086,6 +1089,34 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
 #endif
 
 }  // namespace
+
+// Whether DecodeStack's team may run paged_decode_attention for this batch (every sequence's context below
+// block_tables' reach, checked by the caller's kernels): where decode_avx512 runs it and splits no sequence with
+// `threads` threads (its split's second pass combines partial results across threads). With fewer threads it splits
+// no more (decode_parts), so a team smaller than `threads` is covered too.
+bool decode_attention_in_team(c10::ScalarType q_dtype, int64_t H, const torch::Tensor& k_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t window,
+                              int64_t threads) {
+#ifdef PAGEDSERVE_AVX512
+  const int64_t B = block_tables.size(0), W = block_tables.size(1), D = k_cache.size(3);
+  const int64_t KVH = k_cache.size(2), BS = k_cache.size(1);
+  const bool dtypes = (q_dtype == torch::kFloat32 || q_dtype == torch::kBFloat16) &&
+                      (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16);
+  if (!dtypes || D % 16 != 0 || D > kMaxHeadDim || KVH < 1 || H % KVH != 0 || seq_lens.numel() != B) return false;
+  const int64_t chunks = (H / KVH + kMaxGroupChunk - 1) / kMaxGroupChunk, tasks = B * KVH * chunks;
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    if (sl[b] < 1 || sl[b] > W * BS) return false;  // the kernel's own checks raise on it: outside the team
+    int64_t keys = 0;
+    if (decode_parts(window_span(bt + b * W, sl[b], BS, window).S, BS, tasks, threads, &keys) > 1) return false;
+  }
+  return true;
+#else
+  (void)q_dtype, (void)H, (void)k_cache, (void)block_tables, (void)seq_lens, (void)window, (void)threads;
+  return false;
+#endif
+}
 
 // q: [T, H, D] (float32 or bf16; rows may be strided, heads contiguous), caches: [num_blocks, block_size,
 // KVH, D] float32 or bfloat16, block_tables: [B, max_blocks] int64, seq_lens: [B] int64 (context length

@@ -63,6 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_active", &pagedserve::amx_active,
         "whether quant_linear_bf16 and the bf16 prefill row attention run on AMX tiles in this process (built, on, "
         "and granted by the OS)");
+  m.def("set_decode_team", &pagedserve::set_decode_team, py::arg("enabled"),
+        "run DecodeStack's steps of few sequences as one team (one parallel region per step; default on) or with a "
+        "parallel region per op (the same bits); returns the previous setting");
+  m.def("decode_team_steps", &pagedserve::decode_team_steps, "how many DecodeStack steps have run as a team");
   m.def("set_amx", &pagedserve::set_amx, py::arg("enabled"),
         "switch the AMX routes on/off for this process; returns amx_active()");
   m.def("quant_linear_bf16", &pagedserve::quant_linear_bf16, py::arg("x"), py::arg("packed"), py::arg("type_id"),

@@ -19,6 +19,29 @@
 
 namespace pagedserve {
 
+// A decode step's team (decode_stack.cpp): DecodeStack runs a step of a few sequences in ONE parallel region whose
+// threads meet at a barrier between its ops, instead of forking a parallel region per op (~150 per step of a 30-layer
+// model, ~2 us each, with the second thread idle between them). Inside it a thread sets its place here around a kernel
+// that splits work: team_for then runs this thread's share of the range instead of forking (an item's result does not
+// depend on which thread computes it in any kernel that uses it), and matmul_output hands out the team's shared
+// output. Outside a team (t < 0) both behave as before.
+struct Team {
+  int64_t t = -1, n = 1;
+  const torch::Tensor* out = nullptr;
+};
+inline thread_local Team g_team;
+
+// f(begin, end) over [0, n): this thread's share in a team, else at::parallel_for's.
+template <typename F>
+inline void team_for(int64_t n, int64_t grain, const F& f) {
+  if (g_team.t >= 0) {
+    const int64_t b = n * g_team.t / g_team.n, e = n * (g_team.t + 1) / g_team.n;
+    if (b < e) f(b, e);
+    return;
+  }
+  at::parallel_for(0, n, grain, f);
+}
+
 // A matmul's output [M, N]. One of 32 MB or more (an LM head's float32 logits over a large vocabulary: Gemma 3's
 // 262,144 columns at a decode step's 128 rows are 134 MB) is beyond the largest size glibc's malloc serves from its
 // heap, so each torch::empty of it is a fresh mmap whose pages fault in, zeroed, as the kernel first writes them:
@@ -29,6 +52,7 @@ namespace pagedserve {
 constexpr int64_t kKeptOutputBytes = int64_t{32} << 20, kKeptOutputs = 2;
 
 inline torch::Tensor matmul_output(int64_t M, int64_t N, const torch::TensorOptions& opt) {
+  if (g_team.out) return *g_team.out;  // a team's matmul: the output its threads share (see Team)
   const int64_t bytes = M * N * static_cast<int64_t>(opt.dtype().itemsize());
   if (bytes < kKeptOutputBytes) return torch::empty({M, N}, opt);
   thread_local std::vector<torch::Tensor> kept;  // uint8 buffers; use_count() 1: no output of it alive

@@ -14,8 +14,12 @@
 // Each matmul runs the route Python chose for it at load (pagedserve/model/matmul.py); nothing is
 // decided here.
 #include <algorithm>
+#include <atomic>
+#include <exception>
 #include <optional>
 #include <vector>
+
+#include <omp.h>
 
 #include "ops.h"
 
@@ -91,6 +95,37 @@ struct DecodeLayer {
   int64_t window = 0;  // sliding window (Gemma's sliding layers): each sequence's last `window` keys; 0: all
 };
 
+// Whether DecodeStack runs a step of few sequences as one team (see Team in common.h); set_decode_team switches it
+// (tests and benchmarks compare the two: the same bits).
+inline std::atomic<bool> g_decode_team{true};
+inline std::atomic<int64_t> g_team_steps{0};  // steps run as a team (decode_team_steps: tests see which path ran)
+bool set_decode_team(bool enabled) { return g_decode_team.exchange(enabled); }
+int64_t decode_team_steps() { return g_team_steps.load(); }
+
+// The team's meeting point between ops: a counting barrier the threads spin on (the step's ops are microseconds
+// apart). abort() releases every waiter for good: a thread whose op raised stops the others instead of leaving them
+// waiting; wait() then returns false.
+class TeamBarrier {
+ public:
+  explicit TeamBarrier(int64_t n) : n_(n) {}
+  bool wait() {
+    const int64_t g = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+    } else {
+      while (gen_.load(std::memory_order_acquire) == g && !aborted_.load(std::memory_order_acquire)) _mm_pause();
+    }
+    return !aborted_.load(std::memory_order_acquire);
+  }
+  void abort() { aborted_.store(true, std::memory_order_release); }
+
+ private:
+  const int64_t n_;
+  std::atomic<int64_t> count_{0}, gen_{0};
+  std::atomic<bool> aborted_{false};
+};
+
 class DecodeStack {
  public:
   // strict_attention: the strict mode's attention (paged_attention_rows), as the model's backend runs it.
@@ -153,6 +188,8 @@ class DecodeStack {
       if (sin_local) sin_local = sin_local->index_select(0, *positions);
     }
     static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
+    if (team_applies(x, block_tables, seq_lens, cos_local.has_value()))
+      return team_forward(x, cos, sin, slot_mapping, block_tables, seq_lens, final_norm);
     const torch::Tensor qsl = strict_attention_ ? torch::arange(B + 1, torch::kInt64) : no_rows;
     torch::Tensor residual = x;
     torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_, once_);
@@ -186,6 +223,102 @@ class DecodeStack {
   }
 
  private:
+  // The team (one parallel region for the whole step; see Team in common.h) takes a step of at most kGemvRows
+  // sequences (every matmul then runs its few-rows kernel, split by team_for) on the bf16 quantized route, the plain
+  // decoder (no QK-norm, sandwich norms or second rotary table, SwiGLU), the fused attention splitting no sequence.
+  bool team_applies(const torch::Tensor& x, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                    bool local) const {
+    const int64_t B = x.size(0);
+    if (!g_decode_team.load() || strict_attention_ || gelu_ || local || B < 1 || B > 4 || omp_in_parallel())
+      return false;
+    const int64_t threads = at::get_num_threads();
+    for (const DecodeLayer& l : layers_) {
+      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
+        if (m->route != kQuantBf16 || !m->more.empty()) return false;
+      if (l.q_norm.defined() || l.attn_out_norm.defined() || l.mlp_out_norm.defined() || l.local_rope) return false;
+    }
+    for (const DecodeLayer& l : layers_)
+      if (!decode_attention_in_team(x.scalar_type(), H_, l.k_cache, block_tables, seq_lens, l.window, threads))
+        return false;
+    return true;
+  }
+
+  // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls and the
+  // attention split between the threads (team_for), the norms, the rotary + K/V write and the SwiGLU on thread 0, the
+  // threads meeting at a barrier after each op. The tensors each op writes are made before the region, so the threads
+  // share them.
+  torch::Tensor team_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens, const c10::optional<torch::Tensor>& final_norm) {
+    static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
+    ++g_team_steps;
+    const DecodeLayer& l0 = layers_[0];
+    const int64_t B = x.size(0), D = l0.k_cache.size(3), q_size = H_ * D;
+    torch::Tensor residual = x;
+    torch::Tensor h = rms_norm(x, l0.ln1, eps_, once_);
+    const auto opt = h.options();
+    torch::Tensor qkv = torch::empty({B, l0.qkv.out_features()}, opt), attn = torch::empty({B, H_, D}, opt);
+    torch::Tensor o_out = torch::empty({B, h.size(1)}, opt), gu = torch::empty({B, l0.gate_up.out_features()}, opt);
+    torch::Tensor down_out = torch::empty({B, h.size(1)}, opt), act;
+    const torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D}), attn_rows = attn.view({B, q_size});
+    std::exception_ptr error;
+    std::atomic<bool> failed{false};
+    const int want = static_cast<int>(at::get_num_threads());
+    std::atomic<int64_t> team_size{0};
+    std::optional<TeamBarrier> barrier;
+#pragma omp parallel num_threads(want)
+    {
+      const int64_t t = omp_get_thread_num();
+#pragma omp single
+      {
+        team_size = omp_get_num_threads();
+        barrier.emplace(team_size.load());
+      }  // (the end of single is a barrier: every thread sees both)
+      const int64_t n = team_size.load();
+      TeamBarrier& bar = *barrier;
+      // Thread t's share of a matmul of `in` into `out` (matmul_output hands out `out`; gemv_groups splits, team_for).
+      auto matmul = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out) {
+        g_team = {t, n, &out};
+        quant_linear_bf16(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
+        g_team = {};
+      };
+      try {
+        for (size_t i = 0; i < layers_.size(); ++i) {
+          const DecodeLayer& l = layers_[i];
+          if (i > 0) {
+            if (t == 0) fused_add_rms_norm(down_out, residual, l.ln1, eps_, once_);
+            if (!bar.wait()) break;
+          }
+          matmul(l.qkv, i == 0 ? h : down_out, qkv);
+          if (!bar.wait()) break;
+          if (t == 0) rotary_write_kv(qkv, cos, sin, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
+          if (!bar.wait()) break;
+          g_team = {t, n, nullptr};
+          paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
+          g_team = {};
+          if (!bar.wait()) break;
+          matmul(l.o, attn_rows, o_out);
+          if (!bar.wait()) break;
+          if (t == 0) fused_add_rms_norm(o_out, residual, l.ln2, eps_, once_);
+          if (!bar.wait()) break;
+          matmul(l.gate_up, o_out, gu);
+          if (!bar.wait()) break;
+          if (t == 0) act = silu_and_mul(gu);
+          if (!bar.wait()) break;
+          matmul(l.down, act, down_out);
+          if (!bar.wait()) break;
+        }
+      } catch (...) {
+        g_team = {};
+        if (!failed.exchange(true)) error = std::current_exception();
+        bar.abort();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    if (final_norm) return rms_norm(down_out + residual, *final_norm, eps_, once_);
+    return down_out + residual;
+  }
+
   std::vector<DecodeLayer> layers_;
   int64_t H_, KVH_;
   double eps_, scale_;

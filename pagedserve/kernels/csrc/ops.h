@@ -13,6 +13,11 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
 void paged_attention_rows_into(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                                torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor rows,
                                torch::Tensor out, double scale, int64_t window = 0);
+bool decode_attention_in_team(c10::ScalarType q_dtype, int64_t H, const torch::Tensor& k_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t window,
+                              int64_t threads);
+bool set_decode_team(bool enabled);
+int64_t decode_team_steps();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool once = false);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps, bool once = false);
 void rms_norm_heads(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k_w, int64_t H, int64_t KVH, double eps,

@@ -617,7 +617,7 @@ template <int64_t MaxRows = kGemvRows, typename OT, typename F, typename S = dec
 inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int64_t pstride, const float* bias, OT* y,
                         int64_t N, F&& kernel, S setup = {}) {
   const int64_t groups = (panels + P - 1) / P;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  team_for(groups, 1, [&](int64_t g0, int64_t g1) {  // a decode step's team: this thread's share (see Team)
     const int64_t task_bytes = (std::min(g1 * P, panels) - g0 * P) * pstride;
     prefetch_l2(w + g0 * P * pstride, std::min(kStreamAhead, task_bytes));
     [[maybe_unused]] const auto task = setup();
