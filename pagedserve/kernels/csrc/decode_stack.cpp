@@ -17,9 +17,11 @@
 #include <atomic>
 #include <exception>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include <omp.h>
+#include <sched.h>
 
 #include "ops.h"
 
@@ -103,8 +105,9 @@ bool set_decode_team(bool enabled) { return g_decode_team.exchange(enabled); }
 int64_t decode_team_steps() { return g_team_steps.load(); }
 
 // The team's meeting point between ops: a counting barrier the threads spin on (the step's ops are microseconds
-// apart). abort() releases every waiter for good: a thread whose op raised stops the others instead of leaving them
-// waiting; wait() then returns false.
+// apart), yielding the core after a while of it (more threads than cores: a waiter must not keep the one it waits for
+// off its core). abort() releases every waiter for good: a thread whose op raised stops the others instead of leaving
+// them waiting; wait() then returns false.
 class TeamBarrier {
  public:
   explicit TeamBarrier(int64_t n) : n_(n) {}
@@ -114,13 +117,21 @@ class TeamBarrier {
       count_.store(0, std::memory_order_relaxed);
       gen_.fetch_add(1, std::memory_order_release);
     } else {
-      while (gen_.load(std::memory_order_acquire) == g && !aborted_.load(std::memory_order_acquire)) _mm_pause();
+      for (int64_t spins = 0; gen_.load(std::memory_order_acquire) == g && !aborted_.load(std::memory_order_acquire);
+           ++spins) {
+        if (spins < kSpins) {
+          _mm_pause();
+        } else {
+          std::this_thread::yield();
+        }
+      }
     }
     return !aborted_.load(std::memory_order_acquire);
   }
   void abort() { aborted_.store(true, std::memory_order_release); }
 
  private:
+  static constexpr int64_t kSpins = 4096;  // ~50 us of pauses
   const int64_t n_;
   std::atomic<int64_t> count_{0}, gen_{0};
   std::atomic<bool> aborted_{false};
@@ -231,7 +242,15 @@ class DecodeStack {
     const int64_t B = x.size(0);
     if (!g_decode_team.load() || strict_attention_ || gelu_ || local || B < 1 || B > 4 || omp_in_parallel())
       return false;
+    // More threads than the CPUs this process runs on: spinning team members would hold each other off their cores
+    // (a W2 step on 4 threads over 2 CPUs: 61 tok/s per region and op, 44 as a team).
+    static const int64_t cpus = [] {
+      cpu_set_t set;
+      return sched_getaffinity(0, sizeof set, &set) == 0 ? static_cast<int64_t>(CPU_COUNT(&set))
+                                                          : static_cast<int64_t>(std::thread::hardware_concurrency());
+    }();
     const int64_t threads = at::get_num_threads();
+    if (cpus > 0 && threads > cpus) return false;
     for (const DecodeLayer& l : layers_) {
       for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
         if (m->route != kQuantBf16 || !m->more.empty()) return false;
