@@ -17,16 +17,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <x86intrin.h>
 
-struct cfg {
-  uint8_t palette, start;
-  uint8_t res[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+#include "amx_setup.h"
+
 enum { M = 2048, K = 576, N = 3072, SLOTS = 4, GROUPS = N / 64, MAXG = 28, MAXMB = 512 };
 static const long gsize = (long)SLOTS * K * 16;  // bf16 per group
 static uint16_t *x, *wide, *y, *stage;
@@ -91,15 +85,7 @@ static double run(int write, int pf, int G, int MB) {
 
 int main(int argc, char** argv) {
   k = argc > 1 ? atof(argv[1]) : 1.44;
-  if (syscall(SYS_arch_prctl, 0x1023, 18)) {
-    printf("no AMX tile state granted\n");
-    return 1;
-  }
-  struct cfg c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  if (amx_setup()) return 1;
   x = aligned_alloc(64, (long)M * K * 2);
   wide = aligned_alloc(64, (long)MAXG * gsize * 2);
   y = aligned_alloc(64, (long)M * N * 2);

@@ -17,16 +17,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <x86intrin.h>
 
-struct cfg {
-  uint8_t palette, start;
-  uint8_t res[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+#include "amx_setup.h"
+
 static uint8_t l1buf[8][1024] __attribute__((aligned(64)));
 static double k;  // core cycles per TSC tick
 static volatile float sink;
@@ -35,15 +29,7 @@ static double since(unsigned long t0, double per) { return k * (double)(__rdtsc(
 
 int main(int argc, char** argv) {
   k = argc > 1 ? atof(argv[1]) : 1.44;
-  if (syscall(SYS_arch_prctl, 0x1023, 18)) {
-    printf("no AMX tile state granted\n");
-    return 1;
-  }
-  struct cfg c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  if (amx_setup()) return 1;
   memset(l1buf, 0, sizeof l1buf);
   const long n = 1000000;
 

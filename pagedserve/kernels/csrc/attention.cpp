@@ -949,6 +949,9 @@ void attend_group(int64_t G, const float* qf, const SQ* qs, float scale, const S
 // depend on the batch and the thread count (as the matmuls' routes do); the strict mode (batch_invariant) runs its
 // own row kernel. Where a thread would have no task at all (Gemma 3's one kv head), partitions of kMinPartKeys keys
 // are taken as well (its sliding layers' 512-key windows).
+// Head sizes decode_avx512 takes (paged_decode_attention's route; the team's check, decode_attention_in_team).
+inline bool decode_avx512_takes(int64_t D) { return D % 16 == 0 && D <= kMaxHeadDim; }
+
 constexpr int64_t kSplitTasksPerThread = 2;
 constexpr int64_t kPartKeys = 512, kMinPartKeys = 256;
 
@@ -1102,7 +1105,7 @@ bool decode_attention_in_team(c10::ScalarType q_dtype, int64_t H, const torch::T
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1);
   const bool dtypes = (q_dtype == torch::kFloat32 || q_dtype == torch::kBFloat16) &&
                       (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16);
-  if (!dtypes || D % 16 != 0 || D > kMaxHeadDim || KVH < 1 || H % KVH != 0 || seq_lens.numel() != B) return false;
+  if (!dtypes || !decode_avx512_takes(D) || KVH < 1 || H % KVH != 0 || seq_lens.numel() != B) return false;
   const int64_t chunks = (H / KVH + kMaxGroupChunk - 1) / kMaxGroupChunk, tasks = B * KVH * chunks;
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
@@ -1153,7 +1156,7 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     }
   }
 #ifdef PAGEDSERVE_AVX512
-  if (D % 16 == 0 && D <= kMaxHeadDim) {
+  if (decode_avx512_takes(D)) {
     const float sc = static_cast<float>(scale);
     dispatch_float_bf16(q, "paged_decode_attention", [&]<typename SQ>() {
       dispatch_float_bf16(k_cache, "paged_decode_attention", [&]<typename SC>() {

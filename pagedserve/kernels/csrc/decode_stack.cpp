@@ -172,6 +172,14 @@ class DecodeStack {
         }
       }
     }
+    // The team's conditions on the stack itself (see team_applies): the plain decoder, every matmul one call on the bf16
+    // quantized route.
+    team_stack_ = !strict_attention_ && !gelu_;
+    for (const auto& l : layers_) {
+      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
+        team_stack_ = team_stack_ && m->route == kQuantBf16 && m->more.empty();
+      team_stack_ = team_stack_ && !l.q_norm.defined() && !l.attn_out_norm.defined() && !l.local_rope;
+    }
   }
 
   // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32 (cos_local /
@@ -199,8 +207,8 @@ class DecodeStack {
       if (sin_local) sin_local = sin_local->index_select(0, *positions);
     }
     static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
-    if (team_applies(x, block_tables, seq_lens, cos_local.has_value()))
-      return team_forward(x, cos, sin, slot_mapping, block_tables, seq_lens, final_norm);
+    if (team_applies(x, block_tables, seq_lens))
+      return team_forward(x, cos, sin, slot_mapping, block_tables, seq_lens, final_norm, no_rows);
     const torch::Tensor qsl = strict_attention_ ? torch::arange(B + 1, torch::kInt64) : no_rows;
     torch::Tensor residual = x;
     torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_, once_);
@@ -235,13 +243,11 @@ class DecodeStack {
 
  private:
   // The team (one parallel region for the whole step; see Team in common.h) takes a step of at most kGemvRows
-  // sequences (every matmul then runs its few-rows kernel, split by team_for) on the bf16 quantized route, the plain
-  // decoder (no QK-norm, sandwich norms or second rotary table, SwiGLU), the fused attention splitting no sequence.
-  bool team_applies(const torch::Tensor& x, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                    bool local) const {
+  // sequences (every matmul then runs its few-rows kernel, split by team_for) of a team_stack_ (the constructor: the
+  // bf16 quantized route, the plain decoder), no more threads than CPUs, the fused attention splitting no sequence.
+  bool team_applies(const torch::Tensor& x, const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
     const int64_t B = x.size(0);
-    if (!g_decode_team.load() || strict_attention_ || gelu_ || local || B < 1 || B > 4 || omp_in_parallel())
-      return false;
+    if (!team_stack_ || !g_decode_team.load() || B < 1 || B > 4 || omp_in_parallel()) return false;
     // More threads than the CPUs this process runs on: spinning team members would hold each other off their cores
     // (a W2 step on 4 threads over 2 CPUs: 61 tok/s per region and op, 44 as a team).
     static const int64_t cpus = [] {
@@ -251,11 +257,6 @@ class DecodeStack {
     }();
     const int64_t threads = at::get_num_threads();
     if (cpus > 0 && threads > cpus) return false;
-    for (const DecodeLayer& l : layers_) {
-      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
-        if (m->route != kQuantBf16 || !m->more.empty()) return false;
-      if (l.q_norm.defined() || l.attn_out_norm.defined() || l.mlp_out_norm.defined() || l.local_rope) return false;
-    }
     for (const DecodeLayer& l : layers_)
       if (!decode_attention_in_team(x.scalar_type(), H_, l.k_cache, block_tables, seq_lens, l.window, threads))
         return false;
@@ -268,8 +269,8 @@ class DecodeStack {
   // share them.
   torch::Tensor team_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens, const c10::optional<torch::Tensor>& final_norm) {
-    static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
+                             const torch::Tensor& seq_lens, const c10::optional<torch::Tensor>& final_norm,
+                             const torch::Tensor& no_rows) {
     ++g_team_steps;
     const DecodeLayer& l0 = layers_[0];
     const int64_t B = x.size(0), D = l0.k_cache.size(3), q_size = H_ * D;
@@ -282,18 +283,12 @@ class DecodeStack {
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D}), attn_rows = attn.view({B, q_size});
     std::exception_ptr error;
     std::atomic<bool> failed{false};
-    const int want = static_cast<int>(at::get_num_threads());
-    std::atomic<int64_t> team_size{0};
     std::optional<TeamBarrier> barrier;
-#pragma omp parallel num_threads(want)
+#pragma omp parallel num_threads(static_cast<int>(at::get_num_threads()))
     {
-      const int64_t t = omp_get_thread_num();
+      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();  // n: the team OpenMP gave
 #pragma omp single
-      {
-        team_size = omp_get_num_threads();
-        barrier.emplace(team_size.load());
-      }  // (the end of single is a barrier: every thread sees both)
-      const int64_t n = team_size.load();
+      barrier.emplace(n);  // (the end of single is a barrier: every thread sees it)
       TeamBarrier& bar = *barrier;
       // Thread t's share of a matmul of `in` into `out` (matmul_output hands out `out`; gemv_groups splits, team_for).
       auto matmul = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out) {
@@ -342,6 +337,7 @@ class DecodeStack {
   int64_t H_, KVH_;
   double eps_, scale_;
   bool strict_attention_, gelu_, once_;
+  bool team_stack_ = false;  // the stack's part of team_applies (the constructor)
 };
 
 void bind_decode_stack(pybind11::module& m) {
