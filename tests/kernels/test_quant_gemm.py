@@ -423,8 +423,9 @@ def test_bf16_linear_in_k_blocks_gives_each_rows_own_bits(kernels, threads, bf16
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q6_K], ids=["Q4_1", "Q5_0", "Q6_K"])
 def test_bf16_silu_is_silu_and_mul_over_the_bf16_linear(kernels, threads, bf16_route, qtype):
-    """quant_linear_bf16_silu (the MLP's gate_up projection and SwiGLU in one call; fused into the AMX many-rows
-    matmul's epilogue) gives exactly silu_and_mul over quant_linear_bf16's bf16 output: few rows, tiles of rows
+    """quant_linear_bf16_silu (the MLP's gate_up projection and SwiGLU in one call; fused into the many-rows
+    matmuls' epilogue, and for few rows each gate panel with its up panel in one GEMV call) gives exactly silu_and_mul
+    over quant_linear_bf16's bf16 output: few rows (1 and 3; 16 on AMX, whose few-rows route goes to 16), tiles of rows
     with a partial last one, x past 1 MB (the shared widened weights), I = 80 (a group of 4 panels and one of 1),
     I = 208 (several groups per thread: on AMX each item's outputs are written during the next item's products)."""
     k = 512 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 640

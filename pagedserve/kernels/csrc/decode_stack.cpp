@@ -178,6 +178,7 @@ class DecodeStack {
     for (const auto& l : layers_) {
       for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
         team_stack_ = team_stack_ && m->route == kQuantBf16 && m->more.empty();
+      team_stack_ = team_stack_ && !l.gate_up.bias && l.gate_up.out_features() % 32 == 0;  // the fused SwiGLU
       team_stack_ = team_stack_ && !l.q_norm.defined() && !l.attn_out_norm.defined() && !l.local_rope;
     }
   }
@@ -263,10 +264,10 @@ class DecodeStack {
     return true;
   }
 
-  // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls and the
-  // attention split between the threads (team_for), the norms, the rotary + K/V write and the SwiGLU on thread 0, the
-  // threads meeting at a barrier after each op. The tensors each op writes are made before the region, so the threads
-  // share them.
+  // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls (the
+  // SwiGLU fused into gate_up's), the rotary + K/V write and the attention split between the threads (team_for), the
+  // norms on thread 0, the threads meeting at a barrier after each op. The tensors each op writes are made before the
+  // region, so the threads share them.
   torch::Tensor team_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const c10::optional<torch::Tensor>& final_norm,
@@ -278,8 +279,8 @@ class DecodeStack {
     torch::Tensor h = rms_norm(x, l0.ln1, eps_, once_);
     const auto opt = h.options();
     torch::Tensor qkv = torch::empty({B, l0.qkv.out_features()}, opt), attn = torch::empty({B, H_, D}, opt);
-    torch::Tensor o_out = torch::empty({B, h.size(1)}, opt), gu = torch::empty({B, l0.gate_up.out_features()}, opt);
-    torch::Tensor down_out = torch::empty({B, h.size(1)}, opt), act;
+    torch::Tensor o_out = torch::empty({B, h.size(1)}, opt), act = torch::empty({B, l0.gate_up.out_features() / 2}, opt);
+    torch::Tensor down_out = torch::empty({B, h.size(1)}, opt);
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D}), attn_rows = attn.view({B, q_size});
     std::exception_ptr error;
     std::atomic<bool> failed{false};
@@ -291,9 +292,14 @@ class DecodeStack {
       barrier.emplace(n);  // (the end of single is a barrier: every thread sees it)
       TeamBarrier& bar = *barrier;
       // Thread t's share of a matmul of `in` into `out` (matmul_output hands out `out`; gemv_groups splits, team_for).
-      auto matmul = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out) {
+      // silu: the [gate; up] matmul's fused SwiGLU into `out` (MatmulSpec::silu's route; the team_stack_ condition).
+      auto matmul = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out, bool silu = false) {
         g_team = {t, n, &out};
-        quant_linear_bf16(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
+        if (silu) {
+          quant_linear_bf16_silu(in, m.q, m.qtype, m.out_features(), in.size(1));
+        } else {
+          quant_linear_bf16(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
+        }
         g_team = {};
       };
       try {
@@ -305,7 +311,9 @@ class DecodeStack {
           }
           matmul(l.qkv, i == 0 ? h : down_out, qkv);
           if (!bar.wait()) break;
-          if (t == 0) rotary_write_kv(qkv, cos, sin, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
+          g_team = {t, n, nullptr};
+          rotary_write_kv(qkv, cos, sin, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
+          g_team = {};
           if (!bar.wait()) break;
           g_team = {t, n, nullptr};
           paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
@@ -315,9 +323,7 @@ class DecodeStack {
           if (!bar.wait()) break;
           if (t == 0) fused_add_rms_norm(o_out, residual, l.ln2, eps_, once_);
           if (!bar.wait()) break;
-          matmul(l.gate_up, o_out, gu);
-          if (!bar.wait()) break;
-          if (t == 0) act = silu_and_mul(gu);
+          matmul(l.gate_up, o_out, act, true);
           if (!bar.wait()) break;
           matmul(l.down, act, down_out);
           if (!bar.wait()) break;

@@ -167,46 +167,56 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
   const int64_t qs = qkv.stride(0), row = KVH * D;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
+  // Unit u = (token u / units, head u % units): q heads (rotated in place), then k heads (rotated, then copied into
+  // the cache), then v heads (copied). Every unit writes its own elements: any split gives the same bits.
+  const int64_t units = H + 2 * KVH;
   dispatch_float_bf16(qkv, "rotary_write_kv", [&]<typename S>() {
     S* base = ptr<S>(qkv);
     S* kc = ptr<S>(k_cache);
     S* vc = ptr<S>(v_cache);
-    at::parallel_for(0, T, grain_rows((H + 2 * KVH) * D), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        S* tok = base + t * qs;
-        const float* c = cp + t * half;
-        const float* s = sp + t * half;
-        bool rotated = false;
-#ifdef PAGEDSERVE_AVX512
-        // bf16, 16 pairs per vector (the same arithmetic as the loop below compiles to: x1 c - (x2 s) and
-        // x2 c + (x1 s), each a product rounded, then one fused multiply-add, rounded to bf16).
-        if constexpr (std::is_same_v<S, uint16_t>) {
-          if (half % 16 == 0) {
-            for (int64_t i = 0; i < half; i += 16) {
-              const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
-              for (int64_t h = 0; h < H + KVH; ++h) {
-                S* x = tok + h * D + i;
-                const __m512 x1 = load16(x), x2 = load16(x + half);
-                store16(x, _mm512_fmsub_ps(x1, cv, pinned(_mm512_mul_ps(x2, sv))));
-                store16(x + half, _mm512_fmadd_ps(x2, cv, pinned(_mm512_mul_ps(x1, sv))));
-              }
-            }
-            rotated = true;
-          }
-        }
-#endif
-        for (int64_t h = 0; !rotated && h < H + KVH; ++h) {  // q heads, then k heads: they are adjacent in qkv
-          S* x = tok + h * D;
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = Elem<S>::load(x[i]), x2 = Elem<S>::load(x[i + half]);
-            x[i] = Elem<S>::store(x1 * c[i] - x2 * s[i]);
-            x[i + half] = Elem<S>::store(x2 * c[i] + x1 * s[i]);
-          }
-        }
-        std::memcpy(kc + slots[t] * row, tok + H * D, row * sizeof(S));
-        std::memcpy(vc + slots[t] * row, tok + (H + KVH) * D, row * sizeof(S));
+    const auto unit = [&](int64_t t, int64_t h) {
+      S* x = base + t * qs + h * D;
+      if (h >= H + KVH) {
+        std::memcpy(vc + slots[t] * row + (h - H - KVH) * D, x, D * sizeof(S));
+        return;
       }
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      bool rotated = false;
+#ifdef PAGEDSERVE_AVX512
+      // bf16, 16 pairs per vector (the same arithmetic as the loop below compiles to: x1 c - (x2 s) and
+      // x2 c + (x1 s), each a product rounded, then one fused multiply-add, rounded to bf16).
+      if constexpr (std::is_same_v<S, uint16_t>) {
+        if (half % 16 == 0) {
+          for (int64_t i = 0; i < half; i += 16) {
+            const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+            const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
+            store16(x + i, _mm512_fmsub_ps(x1, cv, pinned(_mm512_mul_ps(x2, sv))));
+            store16(x + i + half, _mm512_fmadd_ps(x2, cv, pinned(_mm512_mul_ps(x1, sv))));
+          }
+          rotated = true;
+        }
+      }
+#endif
+      if (!rotated) {
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = Elem<S>::load(x[i]), x2 = Elem<S>::load(x[i + half]);
+          x[i] = Elem<S>::store(x1 * c[i] - x2 * s[i]);
+          x[i + half] = Elem<S>::store(x2 * c[i] + x1 * s[i]);
+        }
+      }
+      if (h >= H) std::memcpy(kc + slots[t] * row + (h - H) * D, x, D * sizeof(S));
+    };
+    if (g_team.t >= 0) {  // a decode step's team: this thread's share of the units (see Team)
+      team_for(T * units, 1, [&](int64_t b, int64_t e) {
+        for (int64_t u = b; u < e; ++u) unit(u / units, u % units);
+      });
+      return;
+    }
+    at::parallel_for(0, T, grain_rows(units * D), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t h = 0; h < units; ++h) unit(t, h);
     });
   });
 }

@@ -483,6 +483,20 @@ inline void prefetch_stream(const uint8_t* group, int64_t pos, int64_t bytes) {
   prefetch_l2(group + pos + kStreamAhead, bytes);
 }
 
+// A few-rows kernel's share of its stream at 32-k step `step` (step_bytes per panel per step) of P panels: one stream
+// where the panels are adjacent (a group), two where they are a [gate; up] pair (Paired: panel 0 a gate panel, panel 1
+// its up panel pstride further on; each half's panels are adjacent, so each half is a stream of its own).
+template <int P, bool Paired>
+inline void prefetch_panels(const uint8_t* panel, int64_t pstride, int64_t step, int64_t step_bytes) {
+  if constexpr (Paired) {
+    static_assert(P == 2);
+    prefetch_stream(panel, step * step_bytes, step_bytes);
+    prefetch_stream(panel + pstride, step * step_bytes, step_bytes);
+  } else {
+    prefetch_stream(panel, step * P * step_bytes, P * step_bytes);
+  }
+}
+
 #ifdef PAGEDSERVE_QUANT_AVX2
 // The few-rows kernel: R rows of x against P panels (16 P columns) over all of K, the weights widened in
 // registers one k at a time (no buffer): acc[r * 16 P + p * 16 + j] = the chain of row r, column p * 16 + j.
@@ -630,6 +644,29 @@ inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int6
     }
   });
 }
+
+#ifdef PAGEDSERVE_AVX512
+// The few-rows fused SwiGLU's driver (gemv_groups' for a [gate; up] weight, N = 2 I): threads split the I / 16 pairs
+// of gate panel p and its up panel, which lie `pairs` panels apart; kernel(p, acc) fills the M x 32 sums of pair p
+// (gate panel p in columns 0-15, its up panel in 16-31), written as silu_store16 writes the many-rows route's: the
+// same bits as the matmul's bf16 output through silu_and_mul, with no [M, 2 I] product in between and each thread's
+// epilogue on the sums it made.
+template <int64_t MaxRows = kGemvRows, typename F, typename S = decltype([] { return 0; })>
+inline void gemv_silu_pairs(int64_t M, int64_t pairs, const uint8_t* w, int64_t pstride, uint16_t* y, F&& kernel,
+                            S setup = {}) {
+  team_for(pairs, 1, [&](int64_t p0, int64_t p1) {  // a decode step's team: this thread's share (see Team)
+    const int64_t task_bytes = std::min(kStreamAhead / 2, (p1 - p0) * pstride);
+    prefetch_l2(w + p0 * pstride, task_bytes);
+    prefetch_l2(w + (pairs + p0) * pstride, task_bytes);
+    [[maybe_unused]] const auto task = setup();
+    alignas(64) float acc[MaxRows * 2 * 16];
+    for (int64_t p = p0; p < p1; ++p) {
+      kernel(p, acc);
+      for (int64_t r = 0; r < M; ++r) silu_store16(acc + r * 32, 16, y + r * pairs * 16 + p * 16);
+    }
+  });
+}
+#endif
 
 template <int64_t T, typename OT>
 void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
@@ -1044,8 +1081,8 @@ __attribute__((always_inline)) inline void widen_sub_bf16(const uint8_t* panel, 
 }
 
 // The few-rows kernel (M <= 4): the same chains with the weights widened and paired in registers (no buffer),
-// R rows x P panels over all of K.
-template <int64_t T, int R, int P>
+// R rows x P panels over all of K (Paired: a gate panel and its up panel, see prefetch_panels).
+template <int64_t T, int R, int P, bool Paired = false>
 void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
   constexpr QuantType t = quant_type(T);
   constexpr int64_t step_bytes = 16 * t.block_bytes * 32 / t.block_size;  // a panel's bytes per 32 k
@@ -1060,7 +1097,7 @@ void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t
       fp[p].init(panel + p * pstride, k0);
       magic = magic && fp[p].magic;
     }
-    prefetch_stream(panel, (k0 / 32) * P * step_bytes, P * step_bytes);
+    prefetch_panels<P, Paired>(panel, pstride, k0 / 32, step_bytes);
     const auto steps = [&]<bool Magic>() {
       PAGEDSERVE_UNROLL
       for (int j = 0; j < 16; j += 2) {
@@ -1096,14 +1133,14 @@ void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t
   for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(acc + (i / P) * P * 16 + (i % P) * 16, c[i]);
 }
 
-template <int64_t T, int P>
+template <int64_t T, int P, bool Paired = false>
 inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K,
                            float* acc) {
   switch (R) {
-    case 1: gemv_bf16_fast<T, 1, P>(x, xs, panel, pstride, K, acc); break;
-    case 2: gemv_bf16_fast<T, 2, P>(x, xs, panel, pstride, K, acc); break;
-    case 3: gemv_bf16_fast<T, 3, P>(x, xs, panel, pstride, K, acc); break;
-    default: gemv_bf16_fast<T, 4, P>(x, xs, panel, pstride, K, acc); break;
+    case 1: gemv_bf16_fast<T, 1, P, Paired>(x, xs, panel, pstride, K, acc); break;
+    case 2: gemv_bf16_fast<T, 2, P, Paired>(x, xs, panel, pstride, K, acc); break;
+    case 3: gemv_bf16_fast<T, 3, P, Paired>(x, xs, panel, pstride, K, acc); break;
+    default: gemv_bf16_fast<T, 4, P, Paired>(x, xs, panel, pstride, K, acc); break;
   }
 }
 
@@ -1235,7 +1272,8 @@ inline void amx_block_any(int RT, int PT, const uint16_t* x, int64_t xs, int row
 
 // Up to 16 rows (M of them: the tiles are configured to M rows) against P panels, the weights widened one 32-k
 // step at a time into a B tile buffer (two, alternating, so a widening does not wait on the last tile load).
-template <int64_t T, int P>
+// Paired: a gate panel and its up panel (see prefetch_panels).
+template <int64_t T, int P, bool Paired = false>
 void gemv_amx(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc,
               int64_t as) {
   constexpr QuantType t = quant_type(T);
@@ -1245,7 +1283,7 @@ void gemv_amx(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstri
   if constexpr (P > 1) _tile_zero(1);
   const int64_t xb = xs * 2;
   const auto widen = [&](int64_t k0, uint16_t(*b)[16 * 32]) {
-    prefetch_stream(panel, (k0 / 32) * P * step_bytes, P * step_bytes);
+    prefetch_panels<P, Paired>(panel, pstride, k0 / 32, step_bytes);
     PAGEDSERVE_UNROLL
     for (int p = 0; p < P; ++p) widen_sub_bf16<T>(panel + p * pstride, k0, b[p]);
   };
@@ -2511,8 +2549,8 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
 }
 
 // SwiGLU over quant_linear_bf16: silu(gate) * up of y = x @ Wb.T, W = [gate; up] (N = 2 I rows, I % 16 == 0, no
-// bias), bf16 out [M, I]: the same bits as silu_and_mul(quant_linear_bf16(x, ..., bf16)). Where a many-rows kernel
-// runs (AMX or vdpbf16ps), fused (the [M, 2 I] product is never written); for few rows those two ops.
+// bias), bf16 out [M, I]: the same bits as silu_and_mul(quant_linear_bf16(x, ..., bf16)), fused on every route (the
+// [M, 2 I] product is never written): the many-rows kernels' epilogue, or for few rows gemv_silu_pairs.
 torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
                                      int64_t K) {
   using namespace quant_detail;
@@ -2522,7 +2560,7 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
   const int64_t M = x.size(0);
 #ifdef PAGEDSERVE_QUANT_BF16
   // Fused where the many-rows kernel runs (AMX: above kAmxGemvRows rows; vdpbf16ps: above kGemvRows).
-  bool amx = false;
+  [[maybe_unused]] bool amx = false;
   int64_t few = kGemvRows;
 #ifdef PAGEDSERVE_QUANT_AMX
   if (amx_active()) {
@@ -2545,9 +2583,34 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
     });
     return y;
   }
+  // Few rows: each gate panel with its up panel in one few-rows kernel call (their P = 2, the up half's offset as the
+  // panel stride), the SwiGLU in the driver.
+  auto y = matmul_output(M, N / 2, x.options());
+  if (M == 0) return y;
+  const uint16_t* xp = ptr<uint16_t>(x);
+  const uint8_t* wp = p.data_ptr<uint8_t>();
+  const int64_t xs = x.stride(0), pairs = N / 32;
+  uint16_t* yp = ptr<uint16_t>(y);
+  dispatch_type(type, [&]<int64_t T>() {
+    constexpr QuantType t = quant_type(T);
+    const int64_t pstride = 16 * (K / t.block_size) * t.block_bytes, up = pairs * pstride;
+#ifdef PAGEDSERVE_QUANT_AMX
+    if (amx) {
+      gemv_silu_pairs<kAmxGemvRows>(
+          M, pairs, wp, pstride, yp,
+          [&](int64_t g, float* acc) { gemv_amx<T, 2, true>(xp, xs, wp + g * pstride, up, K, acc, 32); },
+          [&] { return amx::Tiles(static_cast<int>(M)); });
+      return;
+    }
 #endif
+    gemv_silu_pairs(M, pairs, wp, pstride, yp,
+                    [&](int64_t g, float* acc) { gemv_bf16_rows<T, 2, true>(M, xp, xs, wp + g * pstride, up, K, acc); });
+  });
+  return y;
+#else
   (void)p;
   return silu_and_mul(quant_linear_bf16(x, packed, type, N, K, c10::nullopt, torch::kBFloat16));
+#endif
 }
 
 bool has_quant_i8() {
