@@ -668,40 +668,62 @@ def test_decode_stack_rejects_a_bad_quant_spec(kernels):
 @needs_bf16
 @pytest.mark.usefixtures("threads")
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
-def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route):
-    """A step of 1-4 sequences on the bf16 quantized route (8) runs as one team (every op in one parallel region, the
+@pytest.mark.parametrize("model", ["plain", "gemma", "int8"])
+def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route, model):
+    """A step of 1-4 sequences on the quantized routes (8, 9) runs as one team (every op in one parallel region, the
     threads meeting at a barrier between ops): the same bits as with a parallel region per op (set_decode_team(False)),
-    on 1 and 2 threads, with a qkv bias and a sliding window; 5 sequences, the strict attention and more threads than
-    CPUs take the old path.
+    on 1 and 2 threads, with a sliding window. plain: the bf16 route (its SwiGLU fused into gate_up), a qkv bias;
+    gemma: QK-norm, the sandwich norms rounded once, GeGLU, the sliding layer's own rotary table and a qkv of two parts
+    of different block types; int8: the int8 activations route (9) everywhere, biases on qkv and gate_up. 5 sequences,
+    the strict attention and more threads than CPUs take the old path.
     A bad block table raises inside the team as outside it, and the stack still runs afterwards."""
     ext = kernels.ext
+    if model == "int8" and not ext.has_quant_i8():
+        pytest.skip("no int8 route in this build")
+    route, gemma = (9 if model == "int8" else 8), model == "gemma"
     g = torch.Generator().manual_seed(21)
     shapes = {"qkv": ((H + 2 * KVH) * D, HIDDEN), "o": (HIDDEN, H * D), "gate_up": (2 * INTER, HIDDEN),
               "down": (HIDDEN, INTER)}
     kinds = iter([Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.Q5_1])
+
+    def norm_weight(n: int) -> torch.Tensor:
+        return (torch.rand(n, generator=g) + 0.5).bfloat16()
+
+    def spec(qtype, n: int, k: int, seed: int, bias=None, more=()):
+        packed = kernels.quant_pack(torch.from_numpy(random_blocks(qtype, n, k, seed=seed)), int(qtype))
+        return ext.MatmulSpec(route, None, bias, packed, int(qtype), n=n, more=list(more))
+
     layers = []
     for i in range(2):
         mats = {}
         for j, (name, (n, k)) in enumerate(shapes.items()):
-            qtype = next(kinds)
-            packed = kernels.quant_pack(torch.from_numpy(random_blocks(qtype, n, k, seed=300 + 10 * i + j)), int(qtype))
-            bias = torch.randn(n, generator=g).bfloat16() if name == "qkv" else None
-            mats[name] = ext.MatmulSpec(8, None, bias, packed, int(qtype), n=n)
-        layers.append(((torch.rand(HIDDEN, generator=g) + 0.5).bfloat16(),
-                       (torch.rand(HIDDEN, generator=g) + 0.5).bfloat16(), mats, 8 * i))  # layer 1: an 8-key window
+            qtype, seed = next(kinds), 300 + 10 * i + j
+            if gemma and name == "qkv":  # q and k of one block type, v of another: two parts
+                v = KVH * D
+                mats[name] = spec(qtype, n - v, k, seed, more=[spec(Q.Q8_0, v, k, seed + 5)])
+                continue
+            bias = torch.randn(n, generator=g).bfloat16() if name == "qkv" or (model == "int8" and name == "gate_up") \
+                else None
+            mats[name] = spec(qtype, n, k, seed, bias if not gemma else None)
+        extra = {}
+        if gemma:
+            extra = dict(q_norm=norm_weight(D), k_norm=norm_weight(D), attn_out_norm=norm_weight(HIDDEN),
+                         mlp_out_norm=norm_weight(HIDDEN), local_rope=i == 1)
+        layers.append((norm_weight(HIDDEN), norm_weight(HIDDEN), mats, 8 * i, extra))  # layer 1: an 8-key window
     caches = [(torch.randn(16, BS, KVH, D, generator=g).bfloat16(), torch.randn(16, BS, KVH, D, generator=g).bfloat16())
               for _ in layers]
 
     def stack(strict: bool = False):
-        built = [ext.DecodeLayer(ln1, ln2, *(mats[n] for n in shapes), kc.clone(), vc.clone(), window=window)
-                 for (ln1, ln2, mats, window), (kc, vc) in zip(layers, caches, strict=True)]
-        return ext.DecodeStack(built, H, KVH, 1e-6, D**-0.5, strict)
+        built = [ext.DecodeLayer(ln1, ln2, *(mats[n] for n in shapes), kc.clone(), vc.clone(), window=window, **extra)
+                 for (ln1, ln2, mats, window, extra), (kc, vc) in zip(layers, caches, strict=True)]
+        return ext.DecodeStack(built, H, KVH, 1e-6, D**-0.5, strict, gelu=gemma, norm_once=gemma)
 
     seq_lens = torch.tensor([5, 17, 9, 30, 12])
     block_tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]])
     pos = seq_lens - 1
     slots = block_tables[torch.arange(5), pos // BS] * BS + pos % BS
     angles = torch.rand(5, D // 2, generator=g) * 6
+    local = torch.rand(5, D // 2, generator=g) * 6  # the local_rope layer's table
     x = torch.randn(5, HIDDEN, generator=g).bfloat16()
     w = (torch.rand(HIDDEN, generator=g) + 0.5).bfloat16()
 
@@ -710,10 +732,10 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
         try:
             s = stack(strict)
             out = s.forward(x[:b].clone(), angles[:b].cos(), angles[:b].sin(), slots[:b], tables[:b], seq_lens[:b],
-                            final_norm=w)
+                            local[:b].cos(), local[:b].sin(), final_norm=w)
             # a second step: the next position of each sequence, over the K/V the first one wrote
             nxt = s.forward(out.clone(), angles[:b].sin(), angles[:b].cos(), slots[:b] + 1, tables[:b],
-                            seq_lens[:b] + 1)
+                            seq_lens[:b] + 1, local[:b].sin(), local[:b].cos())
             return out, nxt
         finally:
             ext.set_decode_team(before)

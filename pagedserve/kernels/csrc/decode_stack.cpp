@@ -172,15 +172,12 @@ class DecodeStack {
         }
       }
     }
-    // The team's conditions on the stack itself (see team_applies): the plain decoder, every matmul one call on the bf16
-    // quantized route.
-    team_stack_ = !strict_attention_ && !gelu_;
-    for (const auto& l : layers_) {
+    // The team's conditions on the stack itself (see team_applies): not the strict mode, every matmul (and each of its
+    // parts) on a quantized route whose few-rows kernel splits through team_for (bf16 or int8 activations).
+    team_stack_ = !strict_attention_;
+    for (const auto& l : layers_)
       for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
-        team_stack_ = team_stack_ && m->route == kQuantBf16 && m->more.empty();
-      team_stack_ = team_stack_ && !l.gate_up.bias && l.gate_up.out_features() % 32 == 0;  // the fused SwiGLU
-      team_stack_ = team_stack_ && !l.q_norm.defined() && !l.attn_out_norm.defined() && !l.local_rope;
-    }
+        team_stack_ = team_stack_ && (m->route == kQuantBf16 || m->route == kQuantI8);  // parts: the same route
   }
 
   // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32 (cos_local /
@@ -209,7 +206,7 @@ class DecodeStack {
     }
     static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
     if (team_applies(x, block_tables, seq_lens))
-      return team_forward(x, cos, sin, slot_mapping, block_tables, seq_lens, final_norm, no_rows);
+      return team_forward(x, cos, sin, cos_local, sin_local, slot_mapping, block_tables, seq_lens, final_norm, no_rows);
     const torch::Tensor qsl = strict_attention_ ? torch::arange(B + 1, torch::kInt64) : no_rows;
     torch::Tensor residual = x;
     torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_, once_);
@@ -245,7 +242,7 @@ class DecodeStack {
  private:
   // The team (one parallel region for the whole step; see Team in common.h) takes a step of at most kGemvRows
   // sequences (every matmul then runs its few-rows kernel, split by team_for) of a team_stack_ (the constructor: the
-  // bf16 quantized route, the plain decoder), no more threads than CPUs, the fused attention splitting no sequence.
+  // quantized routes, not the strict mode), no more threads than CPUs, the fused attention splitting no sequence.
   bool team_applies(const torch::Tensor& x, const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
     const int64_t B = x.size(0);
     if (!team_stack_ || !g_decode_team.load() || B < 1 || B > 4 || omp_in_parallel()) return false;
@@ -264,24 +261,42 @@ class DecodeStack {
     return true;
   }
 
-  // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls (the
-  // SwiGLU fused into gate_up's), the rotary + K/V write and the attention split between the threads (team_for), the
-  // norms on thread 0, the threads meeting at a barrier after each op. The tensors each op writes are made before the
-  // region, so the threads share them.
+  // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls (a bf16
+  // SwiGLU fused into gate_up's), the rotary + K/V write, the attention and the SwiGLU / GeGLU of the other routes split
+  // between the threads (team_for), the norms and the copies of a matmul's parts into its output on thread 0, the
+  // threads meeting at a barrier after each op. The tensors each op writes are made before the region, so the threads
+  // share them (a norm's output on thread 0: assigned before the barrier the others pass to read it).
   torch::Tensor team_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const c10::optional<torch::Tensor>& cos_local, const c10::optional<torch::Tensor>& sin_local,
                              const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const c10::optional<torch::Tensor>& final_norm,
                              const torch::Tensor& no_rows) {
     ++g_team_steps;
     const DecodeLayer& l0 = layers_[0];
-    const int64_t B = x.size(0), D = l0.k_cache.size(3), q_size = H_ * D;
+    const int64_t B = x.size(0), D = l0.k_cache.size(3), q_size = H_ * D, L = static_cast<int64_t>(layers_.size());
     torch::Tensor residual = x;
-    torch::Tensor h = rms_norm(x, l0.ln1, eps_, once_);
+    torch::Tensor h = rms_norm(x, l0.ln1, eps_, once_);  // a layer's input (thread 0 assigns the next one)
     const auto opt = h.options();
-    torch::Tensor qkv = torch::empty({B, l0.qkv.out_features()}, opt), attn = torch::empty({B, H_, D}, opt);
-    torch::Tensor o_out = torch::empty({B, h.size(1)}, opt), act = torch::empty({B, l0.gate_up.out_features() / 2}, opt);
-    torch::Tensor down_out = torch::empty({B, h.size(1)}, opt);
+    const auto width = [](const MatmulSpec& m) {  // all of a matmul's output columns (its parts' too)
+      int64_t n = m.out_features();
+      for (const auto& part : m.more) n += part.out_features();
+      return n;
+    };
+    torch::Tensor qkv = torch::empty({B, width(l0.qkv)}, opt), attn = torch::empty({B, H_, D}, opt);
+    torch::Tensor o_out = torch::empty({B, h.size(1)}, opt), gu = torch::empty({B, width(l0.gate_up)}, opt);
+    torch::Tensor act = torch::empty({B, gu.size(1) / 2}, opt), down_out = torch::empty({B, h.size(1)}, opt);
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D}), attn_rows = attn.view({B, q_size});
+    // The parts of a matmul that has several (Gemma's q/k beside v of another type): each into its own output, then
+    // copied into the matmul's columns.
+    std::vector<std::vector<torch::Tensor>> parts(2 * L);  // layer i: qkv's at 2 i, gate_up's at 2 i + 1
+    for (int64_t i = 0; i < L; ++i) {
+      const DecodeLayer& l = layers_[i];
+      for (const auto& [slot, m] : {std::pair{2 * i, &l.qkv}, std::pair{2 * i + 1, &l.gate_up}}) {
+        if (m->more.empty()) continue;
+        parts[slot].push_back(torch::empty({B, m->out_features()}, opt));
+        for (const auto& part : m->more) parts[slot].push_back(torch::empty({B, part.out_features()}, opt));
+      }
+    }
     std::exception_ptr error;
     std::atomic<bool> failed{false};
     std::optional<TeamBarrier> barrier;
@@ -291,42 +306,82 @@ class DecodeStack {
 #pragma omp single
       barrier.emplace(n);  // (the end of single is a barrier: every thread sees it)
       TeamBarrier& bar = *barrier;
-      // Thread t's share of a matmul of `in` into `out` (matmul_output hands out `out`; gemv_groups splits, team_for).
-      // silu: the [gate; up] matmul's fused SwiGLU into `out` (MatmulSpec::silu's route; the team_stack_ condition).
-      auto matmul = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out, bool silu = false) {
+      // Thread t's share of one matmul (or part) of `in` into `out` (matmul_output hands out `out`; the few-rows
+      // drivers split through team_for); silu: a bf16 [gate; up] matmul's fused SwiGLU.
+      auto one = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out, bool silu = false) {
         g_team = {t, n, &out};
         if (silu) {
           quant_linear_bf16_silu(in, m.q, m.qtype, m.out_features(), in.size(1));
+        } else if (m.route == kQuantI8) {
+          quant_linear_i8(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
         } else {
           quant_linear_bf16(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
         }
         g_team = {};
       };
+      // A whole matmul into `out`, its parts (if any) each into their own output, then copied by thread 0 after a
+      // barrier. False: the team was aborted.
+      auto matmul = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out,
+                        const std::vector<torch::Tensor>& own) {
+        if (m.more.empty()) {
+          one(m, in, out);
+          return true;
+        }
+        one(m, in, own[0]);
+        for (size_t j = 0; j < m.more.size(); ++j) one(m.more[j], in, own[j + 1]);
+        if (!bar.wait()) return false;
+        if (t == 0) {
+          int64_t c = 0;
+          for (const auto& part : own) {
+            out.narrow(1, c, part.size(1)).copy_(part);
+            c += part.size(1);
+          }
+        }
+        return true;
+      };
       try {
-        for (size_t i = 0; i < layers_.size(); ++i) {
+        for (int64_t i = 0; i < L; ++i) {
           const DecodeLayer& l = layers_[i];
-          if (i > 0) {
-            if (t == 0) fused_add_rms_norm(down_out, residual, l.ln1, eps_, once_);
+          if (!matmul(l.qkv, h, qkv, parts[2 * i]) || !bar.wait()) break;
+          if (l.q_norm.defined()) {
+            if (t == 0) rms_norm_heads(qkv, l.q_norm, l.k_norm, H_, KVH_, eps_, once_);
             if (!bar.wait()) break;
           }
-          matmul(l.qkv, i == 0 ? h : down_out, qkv);
-          if (!bar.wait()) break;
+          TORCH_CHECK(!l.local_rope || (cos_local && sin_local), "DecodeStack: a local_rope layer needs cos_local/sin_local");
           g_team = {t, n, nullptr};
-          rotary_write_kv(qkv, cos, sin, l.k_cache, l.v_cache, slot_mapping, H_, KVH_);
+          rotary_write_kv(qkv, l.local_rope ? *cos_local : cos, l.local_rope ? *sin_local : sin, l.k_cache, l.v_cache,
+                          slot_mapping, H_, KVH_);
           g_team = {};
           if (!bar.wait()) break;
           g_team = {t, n, nullptr};
           paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
           g_team = {};
           if (!bar.wait()) break;
-          matmul(l.o, attn_rows, o_out);
+          one(l.o, attn_rows, o_out);
           if (!bar.wait()) break;
-          if (t == 0) fused_add_rms_norm(o_out, residual, l.ln2, eps_, once_);
+          if (t == 0) {
+            h = l.attn_out_norm.defined() ? rms_norm(o_out, l.attn_out_norm, eps_, once_) : o_out;
+            fused_add_rms_norm(h, residual, l.ln2, eps_, once_);
+          }
           if (!bar.wait()) break;
-          matmul(l.gate_up, o_out, act, true);
+          const MatmulSpec& gate_up = l.gate_up;
+          if (!gelu_ && gate_up.route == kQuantBf16 && gate_up.more.empty() && !gate_up.bias &&
+              gate_up.out_features() % 32 == 0) {  // MatmulSpec::silu's fused route
+            one(gate_up, h, act, true);
+          } else {
+            if (!matmul(gate_up, h, gu, parts[2 * i + 1]) || !bar.wait()) break;
+            g_team = {t, n, &act};
+            gelu_ ? gelu_tanh_and_mul(gu) : silu_and_mul(gu);
+            g_team = {};
+          }
           if (!bar.wait()) break;
-          matmul(l.down, act, down_out);
+          one(l.down, act, down_out);
           if (!bar.wait()) break;
+          if (t == 0) {  // the layer's output, and the next layer's input
+            h = l.mlp_out_norm.defined() ? rms_norm(down_out, l.mlp_out_norm, eps_, once_) : down_out;
+            if (i + 1 < L) fused_add_rms_norm(h, residual, layers_[i + 1].ln1, eps_, once_);
+          }
+          if (i + 1 < L && !bar.wait()) break;
         }
       } catch (...) {
         g_team = {};
@@ -335,8 +390,8 @@ class DecodeStack {
       }
     }
     if (error) std::rethrow_exception(error);
-    if (final_norm) return rms_norm(down_out + residual, *final_norm, eps_, once_);
-    return down_out + residual;
+    if (final_norm) return rms_norm(h + residual, *final_norm, eps_, once_);
+    return h + residual;
   }
 
   std::vector<DecodeLayer> layers_;

@@ -230,27 +230,36 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, const char* name, [[mayb
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, name,
               ": input must be [T, 2 * I] with contiguous rows");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
-  auto out = torch::empty({T, I}, gate_up.options());
+  auto out = g_team.out ? *g_team.out : torch::empty({T, I}, gate_up.options());  // a team's: the shared output
   dispatch_float_bf16(gate_up, name, [&]<typename S>() {
     const S* in = ptr<S>(gate_up);
     S* op = ptr<S>(out);
-    at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        const S* g = in + t * gs;
-        const S* u = g + I;
-        S* o = op + t * I;
-        int64_t i0 = 0;
+    // Columns [c0, c1) of row t (each lane's bits whatever the split: 16-lane vectors from c0, a multiple of 16).
+    const auto cols = [&](int64_t t, int64_t c0, int64_t c1) {
+      const S* g = in + t * gs;
+      const S* u = g + I;
+      S* o = op + t * I;
+      int64_t i0 = c0;
 #ifdef PAGEDSERVE_AVX512
-        if constexpr (std::is_same_v<S, uint16_t> && !std::is_same_v<Vec, std::nullptr_t>) {
-          for (; i0 + 16 <= I; i0 += 16) store16(o + i0, vec(load16(g + i0), load16(u + i0)));
-        }
+      if constexpr (std::is_same_v<S, uint16_t> && !std::is_same_v<Vec, std::nullptr_t>) {
+        for (; i0 + 16 <= c1; i0 += 16) store16(o + i0, vec(load16(g + i0), load16(u + i0)));
+      }
 #endif
 #pragma omp simd
-        for (int64_t i = i0; i < I; ++i) {
-          const float act = round_to<S>(one(Elem<S>::load(g[i])));
-          o[i] = Elem<S>::store(act * Elem<S>::load(u[i]));
-        }
+      for (int64_t i = i0; i < c1; ++i) {
+        const float act = round_to<S>(one(Elem<S>::load(g[i])));
+        o[i] = Elem<S>::store(act * Elem<S>::load(u[i]));
       }
+    };
+    if (g_team.t >= 0) {  // a decode step's team: this thread's share of the rows' 16-column chunks (see Team)
+      const int64_t chunks = (I + 15) / 16;
+      team_for(T * chunks, 1, [&](int64_t b, int64_t e) {
+        for (int64_t u = b; u < e; ++u) cols(u / chunks, u % chunks * 16, std::min(I, u % chunks * 16 + 16));
+      });
+      return;
+    }
+    at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) cols(t, 0, I);
     });
   });
   return out;
