@@ -710,7 +710,7 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
             extra = dict(q_norm=norm_weight(D), k_norm=norm_weight(D), attn_out_norm=norm_weight(HIDDEN),
                          mlp_out_norm=norm_weight(HIDDEN), local_rope=i == 1)
         layers.append((norm_weight(HIDDEN), norm_weight(HIDDEN), mats, 8 * i, extra))  # layer 1: an 8-key window
-    caches = [(torch.randn(16, BS, KVH, D, generator=g).bfloat16(), torch.randn(16, BS, KVH, D, generator=g).bfloat16())
+    caches = [(torch.randn(80, BS, KVH, D, generator=g).bfloat16(), torch.randn(80, BS, KVH, D, generator=g).bfloat16())
               for _ in layers]
 
     def stack(strict: bool = False):
@@ -720,22 +720,22 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
 
     seq_lens = torch.tensor([5, 17, 9, 30, 12])
     block_tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]])
-    pos = seq_lens - 1
-    slots = block_tables[torch.arange(5), pos // BS] * BS + pos % BS
     angles = torch.rand(5, D // 2, generator=g) * 6
     local = torch.rand(5, D // 2, generator=g) * 6  # the local_rope layer's table
     x = torch.randn(5, HIDDEN, generator=g).bfloat16()
     w = (torch.rand(HIDDEN, generator=g) + 0.5).bfloat16()
 
-    def run(b: int, team: bool, strict: bool = False, tables=block_tables):
+    def run(b: int, team: bool, strict: bool = False, tables=block_tables, lens=seq_lens):
+        pos = lens[:b] - 1
+        slots = tables[torch.arange(b), pos // BS] * BS + pos % BS
         before = ext.set_decode_team(team)
         try:
             s = stack(strict)
-            out = s.forward(x[:b].clone(), angles[:b].cos(), angles[:b].sin(), slots[:b], tables[:b], seq_lens[:b],
+            out = s.forward(x[:b].clone(), angles[:b].cos(), angles[:b].sin(), slots, tables[:b], lens[:b],
                             local[:b].cos(), local[:b].sin(), final_norm=w)
             # a second step: the next position of each sequence, over the K/V the first one wrote
-            nxt = s.forward(out.clone(), angles[:b].sin(), angles[:b].cos(), slots[:b] + 1, tables[:b],
-                            seq_lens[:b] + 1, local[:b].sin(), local[:b].cos())
+            nxt = s.forward(out.clone(), angles[:b].sin(), angles[:b].cos(), slots + 1, tables[:b], lens[:b] + 1,
+                            local[:b].sin(), local[:b].cos())
             return out, nxt
         finally:
             ext.set_decode_team(before)
@@ -751,6 +751,12 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
             assert ext.decode_team_steps() - steps == (2 if team else 0), (nt, b)
             assert all(torch.equal(r, o) for r, o in zip(ref, got, strict=True)), (nt, b)
             assert not torch.equal(ref[0], ref[1])  # the second step differs: the comparison sees each step
+        # One sequence of 1,100 keys (blocks 10-79): on 2 threads the decode attention splits it into partitions (in
+        # the team: each member's partitions, a team_sync, then the combine shared out).
+        long = dict(tables=torch.arange(10, 80).unsqueeze(0), lens=torch.tensor([1100]))
+        steps = ext.decode_team_steps()
+        assert all(torch.equal(r, o) for r, o in zip(run(1, False, **long), run(1, True, **long), strict=True)), nt
+        assert ext.decode_team_steps() - steps == (2 if nt <= len(os.sched_getaffinity(0)) else 0)
         steps = ext.decode_team_steps()
         strict = run(3, team=True, strict=True)
         assert ext.decode_team_steps() == steps

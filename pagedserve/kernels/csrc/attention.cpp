@@ -1002,7 +1002,16 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
     }
   }
   const int64_t npairs = static_cast<int64_t>(pair_b.size());
-  std::vector<float> part_out(nsplit * H * D), part_stats(nsplit * H * 2);
+  // The partitions' results [nsplit, H, D] and their (max, sum) [nsplit, H, 2]; in a decode team the members' shared
+  // scratch (every member reaches the same split), sized by thread 0 before the first pass.
+  std::vector<float> own;
+  TORCH_CHECK(g_team.t < 0 || nsplit == 0 || (g_team.scratch && g_team.barrier),
+              "paged_decode_attention: a split batch in a team without its scratch");
+  std::vector<float>& parts_buf = g_team.t >= 0 && nsplit > 0 ? *g_team.scratch : own;
+  if (g_team.t <= 0) parts_buf.resize(nsplit * H * (D + 2));
+  if (g_team.t >= 0 && nsplit > 0) team_sync();
+  float* const part_out = parts_buf.data();
+  float* const part_stats = part_out + nsplit * H * D;
   const int64_t per_pair = KVH * chunks;
   // The keys pair pr attends: its sequence's span, or its partition of it.
   auto pair_span = [&](int64_t pr) -> WindowSpan {
@@ -1050,20 +1059,19 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
                      span.skip, static_cast<float*>(nullptr), rows_ahead);
       } else {
         const int64_t part = first_part[b] + p;
-        attend_group(G, qf, qs, scale, k, v, span.table, span.S, BS, row, D, sc, part_out.data() + (part * H + h0) * D,
-                     use_tiles, span.skip, part_stats.data() + (part * H + h0) * 2, rows_ahead);
+        attend_group(G, qf, qs, scale, k, v, span.table, span.S, BS, row, D, sc, part_out + (part * H + h0) * D,
+                     use_tiles, span.skip, part_stats + (part * H + h0) * 2, rows_ahead);
       }
     }
   });
   if (nsplit == 0) return;
-  // DecodeStack's team runs this only where nothing is split (decode_attention_in_team): the partial results of one
-  // thread's partitions are not the other's to combine.
-  TORCH_CHECK(g_team.t < 0, "paged_decode_attention: a split batch in a decode team");
-  // Each split sequence's heads: out = sum_p w_p o_p / sum_p w_p, w_p = sum_p e^(max_p - max).
+  // Each split sequence's heads: out = sum_p w_p o_p / sum_p w_p, w_p = sum_p e^(max_p - max). In a team, once every
+  // member's partitions are done.
+  if (g_team.t >= 0) team_sync();
   std::vector<int64_t> split;
   for (int64_t b = 0; b < B; ++b)
     if (first_part[b] >= 0) split.push_back(b);
-  at::parallel_for(0, static_cast<int64_t>(split.size()) * H, 1, [&](int64_t begin, int64_t end) {
+  team_for(static_cast<int64_t>(split.size()) * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w, acc(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = split[item / H], h = item % H;
@@ -1073,14 +1081,14 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
       w.resize(P);
       float total = 0.f;
       for (int64_t p = 0; p < P; ++p) {
-        const float* st = part_stats.data() + ((p0 + p) * H + h) * 2;
+        const float* st = part_stats + ((p0 + p) * H + h) * 2;
         w[p] = st[1] * expf(st[0] - m);
         total += w[p];
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < P; ++p) {
         const float wp = w[p] / total;
-        const float* o = part_out.data() + ((p0 + p) * H + h) * D;
+        const float* o = part_out + ((p0 + p) * H + h) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[d] += wp * o[d];
       }
@@ -1094,29 +1102,22 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
 }  // namespace
 
 // Whether DecodeStack's team may run paged_decode_attention for this batch (every sequence's context below
-// block_tables' reach, checked by the caller's kernels): where decode_avx512 runs it and splits no sequence with
-// `threads` threads (its split's second pass combines partial results across threads). With fewer threads it splits
-// no more (decode_parts), so a team smaller than `threads` is covered too.
+// block_tables' reach, checked by the caller's kernels): where decode_avx512 runs it (a split sequence's partitions
+// are combined after a team_sync).
 bool decode_attention_in_team(c10::ScalarType q_dtype, int64_t H, const torch::Tensor& k_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t window,
-                              int64_t threads) {
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens) {
 #ifdef PAGEDSERVE_AVX512
   const int64_t B = block_tables.size(0), W = block_tables.size(1), D = k_cache.size(3);
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1);
   const bool dtypes = (q_dtype == torch::kFloat32 || q_dtype == torch::kBFloat16) &&
                       (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16);
   if (!dtypes || !decode_avx512_takes(D) || KVH < 1 || H % KVH != 0 || seq_lens.numel() != B) return false;
-  const int64_t chunks = (H / KVH + kMaxGroupChunk - 1) / kMaxGroupChunk, tasks = B * KVH * chunks;
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < B; ++b)
     if (sl[b] < 1 || sl[b] > W * BS) return false;  // the kernel's own checks raise on it: outside the team
-    int64_t keys = 0;
-    if (decode_parts(window_span(bt + b * W, sl[b], BS, window).S, BS, tasks, threads, &keys) > 1) return false;
-  }
   return true;
 #else
-  (void)q_dtype, (void)H, (void)k_cache, (void)block_tables, (void)seq_lens, (void)window, (void)threads;
+  (void)q_dtype, (void)H, (void)k_cache, (void)block_tables, (void)seq_lens;
   return false;
 #endif
 }

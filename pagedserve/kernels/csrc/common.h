@@ -6,8 +6,10 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -25,11 +27,54 @@ namespace pagedserve {
 // that splits work: team_for then runs this thread's share of the range instead of forking (an item's result does not
 // depend on which thread computes it in any kernel that uses it), and matmul_output hands out the team's shared
 // output. Outside a team (t < 0) both behave as before.
+// The team's meeting point between ops: a counting barrier the threads spin on (the step's ops are microseconds
+// apart), yielding the core after a while of it (more threads than cores: a waiter must not keep the one it waits for
+// off its core). abort() releases every waiter for good: a thread whose op raised stops the others instead of leaving
+// them waiting; wait() then returns false.
+class TeamBarrier {
+ public:
+  explicit TeamBarrier(int64_t n) : n_(n) {}
+  bool wait() {
+    const int64_t g = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+    } else {
+      for (int64_t spins = 0; gen_.load(std::memory_order_acquire) == g && !aborted_.load(std::memory_order_acquire);
+           ++spins) {
+        if (spins < kSpins) {
+          _mm_pause();
+        } else {
+          std::this_thread::yield();
+        }
+      }
+    }
+    return !aborted_.load(std::memory_order_acquire);
+  }
+  void abort() { aborted_.store(true, std::memory_order_release); }
+
+ private:
+  static constexpr int64_t kSpins = 4096;  // ~50 us of pauses
+  const int64_t n_;
+  std::atomic<int64_t> count_{0}, gen_{0};
+  std::atomic<bool> aborted_{false};
+};
+
 struct Team {
   int64_t t = -1, n = 1;
   const torch::Tensor* out = nullptr;
+  // For a kernel of two passes, the second reading what the first wrote on other threads (the decode attention's
+  // combine of a split sequence's partitions): the team's barrier, and scratch the passes share (see team_sync).
+  TeamBarrier* barrier = nullptr;
+  std::vector<float>* scratch = nullptr;
 };
 inline thread_local Team g_team;
+
+// Inside such a kernel: every member of the team here (the scratch's size set by thread 0 before it, the first pass's
+// results after it). A team aborted by another member's error throws.
+inline void team_sync() {
+  TORCH_CHECK(g_team.barrier && g_team.barrier->wait(), "decode team aborted");
+}
 
 // f(begin, end) over [0, n): this thread's share in a team, else at::parallel_for's.
 template <typename F>

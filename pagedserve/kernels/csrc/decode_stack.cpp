@@ -104,39 +104,6 @@ inline std::atomic<int64_t> g_team_steps{0};  // steps run as a team (decode_tea
 bool set_decode_team(bool enabled) { return g_decode_team.exchange(enabled); }
 int64_t decode_team_steps() { return g_team_steps.load(); }
 
-// The team's meeting point between ops: a counting barrier the threads spin on (the step's ops are microseconds
-// apart), yielding the core after a while of it (more threads than cores: a waiter must not keep the one it waits for
-// off its core). abort() releases every waiter for good: a thread whose op raised stops the others instead of leaving
-// them waiting; wait() then returns false.
-class TeamBarrier {
- public:
-  explicit TeamBarrier(int64_t n) : n_(n) {}
-  bool wait() {
-    const int64_t g = gen_.load(std::memory_order_acquire);
-    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
-      count_.store(0, std::memory_order_relaxed);
-      gen_.fetch_add(1, std::memory_order_release);
-    } else {
-      for (int64_t spins = 0; gen_.load(std::memory_order_acquire) == g && !aborted_.load(std::memory_order_acquire);
-           ++spins) {
-        if (spins < kSpins) {
-          _mm_pause();
-        } else {
-          std::this_thread::yield();
-        }
-      }
-    }
-    return !aborted_.load(std::memory_order_acquire);
-  }
-  void abort() { aborted_.store(true, std::memory_order_release); }
-
- private:
-  static constexpr int64_t kSpins = 4096;  // ~50 us of pauses
-  const int64_t n_;
-  std::atomic<int64_t> count_{0}, gen_{0};
-  std::atomic<bool> aborted_{false};
-};
-
 class DecodeStack {
  public:
   // strict_attention: the strict mode's attention (paged_attention_rows), as the model's backend runs it.
@@ -242,7 +209,7 @@ class DecodeStack {
  private:
   // The team (one parallel region for the whole step; see Team in common.h) takes a step of at most kGemvRows
   // sequences (every matmul then runs its few-rows kernel, split by team_for) of a team_stack_ (the constructor: the
-  // quantized routes, not the strict mode), no more threads than CPUs, the fused attention splitting no sequence.
+  // quantized routes, not the strict mode), no more threads than CPUs, the fused decode attention's route.
   bool team_applies(const torch::Tensor& x, const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
     const int64_t B = x.size(0);
     if (!team_stack_ || !g_decode_team.load() || B < 1 || B > 4 || omp_in_parallel()) return false;
@@ -256,8 +223,7 @@ class DecodeStack {
     const int64_t threads = at::get_num_threads();
     if (cpus > 0 && threads > cpus) return false;
     for (const DecodeLayer& l : layers_)
-      if (!decode_attention_in_team(x.scalar_type(), H_, l.k_cache, block_tables, seq_lens, l.window, threads))
-        return false;
+      if (!decode_attention_in_team(x.scalar_type(), H_, l.k_cache, block_tables, seq_lens)) return false;
     return true;
   }
 
@@ -297,6 +263,7 @@ class DecodeStack {
         for (const auto& part : m->more) parts[slot].push_back(torch::empty({B, part.out_features()}, opt));
       }
     }
+    std::vector<float> scratch;  // the decode attention's, shared by the team (Team::scratch)
     std::exception_ptr error;
     std::atomic<bool> failed{false};
     std::optional<TeamBarrier> barrier;
@@ -353,7 +320,7 @@ class DecodeStack {
                           slot_mapping, H_, KVH_);
           g_team = {};
           if (!bar.wait()) break;
-          g_team = {t, n, nullptr};
+          g_team = {t, n, nullptr, &bar, &scratch};  // a split sequence: the partitions' results in scratch
           paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
           g_team = {};
           if (!bar.wait()) break;

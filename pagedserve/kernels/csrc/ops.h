@@ -14,8 +14,7 @@ void paged_attention_rows_into(torch::Tensor q, torch::Tensor k_cache, torch::Te
                                torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor rows,
                                torch::Tensor out, double scale, int64_t window = 0);
 bool decode_attention_in_team(c10::ScalarType q_dtype, int64_t H, const torch::Tensor& k_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t window,
-                              int64_t threads);
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens);
 bool set_decode_team(bool enabled);
 int64_t decode_team_steps();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool once = false);
