@@ -670,12 +670,13 @@ def test_decode_stack_rejects_a_bad_quant_spec(kernels):
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 @pytest.mark.parametrize("model", ["plain", "gemma", "int8"])
 def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route, model):
-    """A step of 1-4 sequences on the quantized routes (8, 9) runs as one team (every op in one parallel region, the
-    threads meeting at a barrier between ops): the same bits as with a parallel region per op (set_decode_team(False)),
-    on 1 and 2 threads, with a sliding window. plain: the bf16 route (its SwiGLU fused into gate_up), a qkv bias;
-    gemma: QK-norm, the sandwich norms rounded once, GeGLU, the sliding layer's own rotary table and a qkv of two parts
-    of different block types; int8: the int8 activations route (9) everywhere, biases on qkv and gate_up. 5 sequences,
-    the strict attention and more threads than CPUs take the old path.
+    """A step of 1-4 sequences (1-16 on AMX) on the quantized routes (8, 9) runs as one team (every op in one parallel
+    region, the threads meeting at a barrier between ops): the same bits as with a parallel region per op
+    (set_decode_team(False)), on 1 and 2 threads, with a sliding window. plain: the bf16 route (its SwiGLU fused into
+    gate_up), a qkv bias; gemma: QK-norm, the sandwich norms rounded once, GeGLU, the sliding layer's own rotary table
+    and a qkv of two parts of different block types; int8: the int8 activations route (9) everywhere, biases on qkv
+    and gate_up; one sequence of 1,100 keys (its attention split into partitions). 5 sequences (17 on AMX), the strict
+    attention and more threads than CPUs take the old path.
     A bad block table raises inside the team as outside it, and the stack still runs afterwards."""
     ext = kernels.ext
     if model == "int8" and not ext.has_quant_i8():
@@ -718,11 +719,11 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
                  for (ln1, ln2, mats, window, extra), (kc, vc) in zip(layers, caches, strict=True)]
         return ext.DecodeStack(built, H, KVH, 1e-6, D**-0.5, strict, gelu=gemma, norm_once=gemma)
 
-    seq_lens = torch.tensor([5, 17, 9, 30, 12])
-    block_tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]])
-    angles = torch.rand(5, D // 2, generator=g) * 6
-    local = torch.rand(5, D // 2, generator=g) * 6  # the local_rope layer's table
-    x = torch.randn(5, HIDDEN, generator=g).bfloat16()
+    seq_lens = torch.tensor([5, 17, 9, 30, 12] + torch.randint(1, 32, (12,), generator=g).tolist())
+    block_tables = torch.arange(34).view(17, 2)
+    angles = torch.rand(17, D // 2, generator=g) * 6
+    local = torch.rand(17, D // 2, generator=g) * 6  # the local_rope layer's table
+    x = torch.randn(17, HIDDEN, generator=g).bfloat16()
     w = (torch.rand(HIDDEN, generator=g) + 0.5).bfloat16()
 
     def run(b: int, team: bool, strict: bool = False, tables=block_tables, lens=seq_lens):
@@ -740,14 +741,16 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
         finally:
             ext.set_decode_team(before)
 
+    # The few-rows kernels' reach: 4 rows, 16 for the bf16 matmuls on AMX tiles (the int8 route: 4 at a time).
+    most = 16 if ext.amx_active() else 4
     for nt in (1, 2):
         torch.set_num_threads(nt)
-        for b in (1, 2, 4, 5):
+        for b in (1, 2, 4, 5, 16, 17):
             ref = run(b, team=False)
             steps = ext.decode_team_steps()
             got = run(b, team=True)
             # which path ran (not a team with more threads than CPUs)
-            team = b <= 4 and nt <= len(os.sched_getaffinity(0))
+            team = b <= most and nt <= len(os.sched_getaffinity(0))
             assert ext.decode_team_steps() - steps == (2 if team else 0), (nt, b)
             assert all(torch.equal(r, o) for r, o in zip(ref, got, strict=True)), (nt, b)
             assert not torch.equal(ref[0], ref[1])  # the second step differs: the comparison sees each step

@@ -207,12 +207,14 @@ class DecodeStack {
   }
 
  private:
-  // The team (one parallel region for the whole step; see Team in common.h) takes a step of at most kGemvRows
-  // sequences (every matmul then runs its few-rows kernel, split by team_for) of a team_stack_ (the constructor: the
+  // The team (one parallel region for the whole step; see Team in common.h) takes a step of as many sequences as
+  // every matmul runs its few-rows kernel for (split by team_for): 4 (the vdpbf16ps route's GEMV), 16 where the bf16
+  // matmuls run on AMX tiles (the int8 route takes any count 4 rows at a time); of a team_stack_ (the constructor: the
   // quantized routes, not the strict mode), no more threads than CPUs, the fused decode attention's route.
   bool team_applies(const torch::Tensor& x, const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
     const int64_t B = x.size(0);
-    if (!team_stack_ || !g_decode_team.load() || B < 1 || B > 4 || omp_in_parallel()) return false;
+    if (!team_stack_ || !g_decode_team.load() || B < 1 || B > (amx_active() ? 16 : 4) || omp_in_parallel())
+      return false;
     // More threads than the CPUs this process runs on: spinning team members would hold each other off their cores
     // (a W2 step on 4 threads over 2 CPUs: 61 tok/s per region and op, 44 as a team).
     static const int64_t cpus = [] {
