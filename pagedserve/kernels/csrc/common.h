@@ -21,12 +21,6 @@
 
 namespace pagedserve {
 
-// A decode step's team (decode_stack.cpp): DecodeStack runs a step of a few sequences in ONE parallel region whose
-// threads meet at a barrier between its ops, instead of forking a parallel region per op (~150 per step of a 30-layer
-// model, ~2 us each, with the second thread idle between them). Inside it a thread sets its place here around a kernel
-// that splits work: team_for then runs this thread's share of the range instead of forking (an item's result does not
-// depend on which thread computes it in any kernel that uses it), and matmul_output hands out the team's shared
-// output. Outside a team (t < 0) both behave as before.
 // The team's meeting point between ops: a counting barrier the threads spin on (the step's ops are microseconds
 // apart), yielding the core after a while of it (more threads than cores: a waiter must not keep the one it waits for
 // off its core). abort() releases every waiter for good: a thread whose op raised stops the others instead of leaving
@@ -60,6 +54,12 @@ class TeamBarrier {
   std::atomic<bool> aborted_{false};
 };
 
+// A decode step's team (decode_stack.cpp): DecodeStack runs a step of a few sequences in ONE parallel region whose
+// threads meet at a barrier between its ops, instead of forking a parallel region per op (~150 per step of a 30-layer
+// model, ~2 us each, with the second thread idle between them). Inside it a thread sets its place here around a kernel
+// that splits work: team_for then runs this thread's share of the range instead of forking (an item's result does not
+// depend on which thread computes it in any kernel that uses it), and matmul_output (and silu_and_mul /
+// gelu_tanh_and_mul) hand out the team's shared output. Outside a team (t < 0) all behave as before.
 struct Team {
   int64_t t = -1, n = 1;
   const torch::Tensor* out = nullptr;
