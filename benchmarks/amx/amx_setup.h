@@ -26,3 +26,22 @@ static int amx_setup(void) {
   _tile_loadconfig(&c);
   return 0;
 }
+
+// The four products of a 2 x 2 step: C tiles 0-3 += A tiles 4, 5 times B tiles 6, 7.
+static inline __attribute__((always_inline)) void products_2x2(void) {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// A matmul's 2 x 2 step: B tiles 6, 7 streamed past L1 (TILELOADDT1, 64-byte rows) from b0, b1, A tiles 4, 5 from a0,
+// a1 (row stride as bytes), then the four products.
+static inline __attribute__((always_inline)) void step_2x2_streamed(const void* a0, const void* a1, int as,
+                                                                   const void* b0, const void* b1) {
+  _tile_stream_loadd(6, b0, 64);
+  _tile_stream_loadd(7, b1, 64);
+  _tile_loadd(4, a0, as);
+  _tile_loadd(5, a1, as);
+  products_2x2();
+}

@@ -46,14 +46,7 @@ static double run(int write, int pf, int G, int MB) {
             _tile_zero(2);
             _tile_zero(3);
             for (int k0 = 0; k0 < K; k0 += 32, ++steps, ++s) {
-              _tile_stream_loadd(6, b0 + k0 * 16, 64);
-              _tile_stream_loadd(7, b1 + k0 * 16, 64);
-              _tile_loadd(4, x0 + k0, K * 2);
-              _tile_loadd(5, x1 + k0, K * 2);
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_dpbf16ps(1, 4, 7);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
+              step_2x2_streamed(x0 + k0, x1 + k0, K * 2, b0 + k0 * 16, b1 + k0 * 16);
               if (pf && s * 256 < gsize * 2)
                 for (int l = 0; l < 4; ++l) _mm_prefetch(next + s * 256 + 64 * l, _MM_HINT_T1);
             }

@@ -35,10 +35,7 @@ int main(int argc, char** argv) {
 
   unsigned long t0 = __rdtsc();
   for (long i = 0; i < n; ++i) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    products_2x2();
   }
   printf("TDPBF16PS, 4 independent accumulators     %6.1f cycles each\n", since(t0, 4.0 * n));
   t0 = __rdtsc();
@@ -61,10 +58,7 @@ int main(int argc, char** argv) {
     _tile_loadd(6, l1buf[2], 64);
     _tile_loadd(5, l1buf[1], 64);
     _tile_loadd(7, l1buf[3], 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    products_2x2();
   }
   printf("2 x 2 step, all tiles from L1              %6.1f cycles per step (4 products)\n", since(t0, n));
 
@@ -92,10 +86,7 @@ int main(int argc, char** argv) {
       _tile_loadd(7, ring[rb][1], 64);
       _tile_loadd(4, l1buf[0], 64);
       _tile_loadd(5, l1buf[1], 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      products_2x2();
       if (v >= 5) {
         _tile_stored(0, cring[i & 1], 64);
         const float* rd = v == 5 ? cring[i & 1] : cring[(i + 1) & 1];
@@ -127,10 +118,7 @@ int main(int argc, char** argv) {
         }
         _tile_loadd(4, l1buf[0], 64);
         _tile_loadd(5, l1buf[1], 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        products_2x2();
       }
       printf("2 x 2 step, B streamed over %6ld KB (%s)  %6.1f cycles per step\n", S >> 10,
              v ? "TILELOADDT1" : "TILELOADD  ", since(t0, steps));
@@ -174,10 +162,7 @@ int main(int argc, char** argv) {
               _tile_loadd(4, x0 + k0, K * 2);
               _tile_loadd(5, x1 + k0, K * 2);
             }
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            products_2x2();
           }
           if (v != 3) {
             float* cc = acc + r0 * 128 + j * 16;
@@ -223,14 +208,7 @@ int main(int argc, char** argv) {
               }
               for (int k0 = 0; k0 < K; k0 += 32, ++steps) {
                 if (tiles) {
-                  _tile_stream_loadd(6, b0 + k0 * 16, 64);
-                  _tile_stream_loadd(7, b1 + k0 * 16, 64);
-                  _tile_loadd(4, x0 + k0, K * 2);
-                  _tile_loadd(5, x1 + k0, K * 2);
-                  _tile_dpbf16ps(0, 4, 6);
-                  _tile_dpbf16ps(1, 4, 7);
-                  _tile_dpbf16ps(2, 5, 6);
-                  _tile_dpbf16ps(3, 5, 7);
+                  step_2x2_streamed(x0 + k0, x1 + k0, K * 2, b0 + k0 * 16, b1 + k0 * 16);
                 }
 #define FMA8 f0 = _mm512_fmadd_ps(f0, a, b); f1 = _mm512_fmadd_ps(f1, a, b); f2 = _mm512_fmadd_ps(f2, a, b); \
              f3 = _mm512_fmadd_ps(f3, a, b); f4 = _mm512_fmadd_ps(f4, a, b); f5 = _mm512_fmadd_ps(f5, a, b); \

@@ -74,12 +74,15 @@ struct MatmulSpec {
     }
   }
 
-  // silu(gate) * up of this [gate; up] matmul: in one call on the bf16 quantized route (quant_linear_bf16_silu, the
-  // same bits as the two ops, as the model's MLP takes it), else the matmul then silu_and_mul.
+  // Whether silu() runs as one call (quant_linear_bf16_silu: the bf16 quantized route, one part, no bias, I % 16 == 0;
+  // that route's x is bf16).
+  bool silu_fused() const { return route == kQuantBf16 && more.empty() && !bias && out_features() % 32 == 0; }
+
+  // silu(gate) * up of this [gate; up] matmul: in one call where silu_fused (the same bits as the two ops, as the
+  // model's MLP takes it), else the matmul then silu_and_mul.
   torch::Tensor silu(const torch::Tensor& x) const {
-    const int64_t n = out_features();
-    if (route == kQuantBf16 && more.empty() && !bias && x.scalar_type() == torch::kBFloat16 && n % 32 == 0)
-      return quant_linear_bf16_silu(x, q, qtype, n, x.size(1));
+    if (silu_fused() && x.scalar_type() == torch::kBFloat16)
+      return quant_linear_bf16_silu(x, q, qtype, out_features(), x.size(1));
     return silu_and_mul((*this)(x));
   }
 };
@@ -141,10 +144,15 @@ class DecodeStack {
     }
     // The team's conditions on the stack itself (see team_applies): not the strict mode, every matmul (and each of its
     // parts) on a quantized route whose few-rows kernel splits through team_for (bf16 or int8 activations).
+    // Every layer's cache shaped and typed as the first's, so one check of the attention serves all (team_applies).
     team_stack_ = !strict_attention_;
-    for (const auto& l : layers_)
+    for (const auto& l : layers_) {
       for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
         team_stack_ = team_stack_ && (m->route == kQuantBf16 || m->route == kQuantI8);  // parts: the same route
+      team_stack_ = team_stack_ && l.k_cache.sizes().slice(1) == layers_[0].k_cache.sizes().slice(1) &&
+                    l.k_cache.scalar_type() == layers_[0].k_cache.scalar_type();
+      team_mlp_unfused_ = team_mlp_unfused_ || gelu_ || !l.gate_up.silu_fused();
+    }
   }
 
   // x: [B, hidden] embeddings of the B new tokens (one per sequence); cos/sin [B, D/2] float32 (cos_local /
@@ -224,9 +232,7 @@ class DecodeStack {
     }();
     const int64_t threads = at::get_num_threads();
     if (cpus > 0 && threads > cpus) return false;
-    for (const DecodeLayer& l : layers_)
-      if (!decode_attention_in_team(x.scalar_type(), H_, l.k_cache, block_tables, seq_lens)) return false;
-    return true;
+    return decode_attention_in_team(x.scalar_type(), H_, layers_[0].k_cache, block_tables, seq_lens);
   }
 
   // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls (a bf16
@@ -251,8 +257,10 @@ class DecodeStack {
       return n;
     };
     torch::Tensor qkv = torch::empty({B, width(l0.qkv)}, opt), attn = torch::empty({B, H_, D}, opt);
-    torch::Tensor o_out = torch::empty({B, h.size(1)}, opt), gu = torch::empty({B, width(l0.gate_up)}, opt);
-    torch::Tensor act = torch::empty({B, gu.size(1) / 2}, opt), down_out = torch::empty({B, h.size(1)}, opt);
+    const int64_t gu_width = width(l0.gate_up);
+    torch::Tensor o_out = torch::empty({B, h.size(1)}, opt), act = torch::empty({B, gu_width / 2}, opt);
+    torch::Tensor down_out = torch::empty({B, h.size(1)}, opt);
+    const torch::Tensor gu = team_mlp_unfused_ ? torch::empty({B, gu_width}, opt) : torch::Tensor();  // [gate; up]
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D}), attn_rows = attn.view({B, q_size});
     // The parts of a matmul that has several (Gemma's q/k beside v of another type): each into its own output, then
     // copied into the matmul's columns.
@@ -333,12 +341,10 @@ class DecodeStack {
             fused_add_rms_norm(h, residual, l.ln2, eps_, once_);
           }
           if (!bar.wait()) break;
-          const MatmulSpec& gate_up = l.gate_up;
-          if (!gelu_ && gate_up.route == kQuantBf16 && gate_up.more.empty() && !gate_up.bias &&
-              gate_up.out_features() % 32 == 0) {  // MatmulSpec::silu's fused route
-            one(gate_up, h, act, true);
+          if (!gelu_ && l.gate_up.silu_fused()) {  // MatmulSpec::silu's one call
+            one(l.gate_up, h, act, true);
           } else {
-            if (!matmul(gate_up, h, gu, parts[2 * i + 1]) || !bar.wait()) break;
+            if (!matmul(l.gate_up, h, gu, parts[2 * i + 1]) || !bar.wait()) break;
             g_team = {t, n, &act};
             gelu_ ? gelu_tanh_and_mul(gu) : silu_and_mul(gu);
             g_team = {};
@@ -367,7 +373,8 @@ class DecodeStack {
   int64_t H_, KVH_;
   double eps_, scale_;
   bool strict_attention_, gelu_, once_;
-  bool team_stack_ = false;  // the stack's part of team_applies (the constructor)
+  bool team_stack_ = false;        // the stack's part of team_applies (the constructor)
+  bool team_mlp_unfused_ = false;  // some layer's MLP is a gate_up matmul, then its SwiGLU / GeGLU (the constructor)
 };
 
 void bind_decode_stack(pybind11::module& m) {
