@@ -3,7 +3,7 @@ builds of the C++ extension in ONE process, alternating, with 30 layers' caches 
 the engine (a layer's K and V: 18.9 MB at 192 keys), over consecutive and randomly placed cache blocks.
 
     python benchmarks/decode_attention_ab.py A.so [B.so] [--seqs 128] [--keys 192] [--layers 30] [--reps 7]
-        [--heads 9 --kv-heads 3 --head-dim 64] [--no-amx] [--dtype bfloat16|float32]
+        [--heads 9 --kv-heads 3 --head-dim 64] [--no-amx] [--huge-pages] [--dtype bfloat16|float32]
 
 A.so / B.so: extension builds (see benchmarks/ab_builds.py for where they are). With two builds the first
 output's largest difference between them is printed as well. Prints ms per layer (median and min of the reps).
@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--no-amx", action="store_true")
+    ap.add_argument("--huge-pages", action="store_true", help="each layer's K and V in memory backed by 2 MB pages "
+                    "(as the engine's --huge-pages)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="the cache's and the queries' dtype (float32: what an AVX2-only CPU runs by default)")
     args = ap.parse_args()
@@ -54,6 +56,11 @@ def main() -> None:
     dt = getattr(torch, args.dtype)
     big = torch.randn(2 * L, B * nb, BS, KVH, D).to(dt)
     caches = [(big[2 * i], big[2 * i + 1]) for i in range(L)]
+    if args.huge_pages:
+        from pagedserve.kernels import huge_pages
+
+        caches = [tuple(huge_pages.zeros(t.shape, t.dtype).copy_(t) for t in kv) for kv in caches]
+        del big
     tables = {"consecutive": torch.arange(B * nb, dtype=torch.int64).view(B, nb).contiguous(),
               "random": torch.randperm(B * nb).view(B, nb).contiguous()}
     seq_lens = torch.full((B,), S, dtype=torch.int64)
