@@ -208,6 +208,11 @@ class CpuKernels:
         whatever M (needs `quant_bf16`)."""
         return self.ext.quant_linear_bf16(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
 
+    def quant_linear_bf16_argmax(self, x, packed, type_id: int, n: int, bias):
+        """Greedy decoding over an LM head: int64 [M], each row's first argmax of quant_linear_bf16's float32 logits
+        (-1 where one is NaN), the logits never written where the many-rows kernels run (needs `quant_bf16`)."""
+        return self.ext.quant_linear_bf16_argmax(x, packed, type_id, n, x.shape[-1], bias)
+
     def quant_linear_bf16_silu(self, x, packed, type_id: int, n: int):
         """silu(gate) * up of quant_linear_bf16 (bf16 out) over W = [gate; up] (n = 2 I, I % 16 == 0, no bias): the
         bits of silu_and_mul over it, in one call (fused where AMX runs the many-rows matmul)."""

@@ -213,9 +213,13 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """Float32 logits (in every dtype: the head sums and returns float32) of the rows in
-        `logits_indices` (each sequence's last new token), or of every token."""
+        `logits_indices` (each sequence's last new token), or of every token. greedy: the caller takes each row's
+        argmax and nothing else; where the head can fuse it (MatmulRoutes.argmax: the bf16 GGUF head, no
+        soft-capping, one rank) the result is int64 [rows] instead, those argmaxes (-1 for a row with a NaN logit),
+        and the logits are never written."""
         # Windows are per layer (each Attention passes its own to the backend); the step's metadata
         # carries none.
         meta.sliding_window = None
@@ -255,6 +259,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x = kernels.rms_norm(x, self.norm.weight, self.norm.eps, cfg.spec.gemma_norms)
         head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
+        if greedy and self.tp is None and cfg.final_logit_softcapping is None:
+            ids = head.argmax(x)
+            if ids is not None:
+                return ids
         weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
         logits = head(x, weight, None)
         if logits.dtype != torch.float32:  # float32 already on the CPU routes

@@ -60,6 +60,11 @@ class Sampler:
         token_list = _in_vocab(tokens.tolist(), logits.shape[1])
         return SamplerOutput(token_list, self.logprobs(raw, token_list, meta.num_logprobs))
 
+    def from_argmax(self, ids: torch.Tensor, vocab: int) -> SamplerOutput:
+        """An all-plain-greedy step whose model handed over each row's argmax (int64 [rows], -1 for a row with a NaN
+        logit) instead of its logits: those tokens, as __call__'s greedy path would pick them."""
+        return SamplerOutput(_in_vocab(ids.tolist(), vocab), [None] * ids.shape[0])
+
     def adjust(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(the raw float32 logits, the logits after the grammar mask, min_tokens and the penalties)."""
         logits = logits.float()

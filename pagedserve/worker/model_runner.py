@@ -161,22 +161,33 @@ class ModelRunner:
         """Run the step; the sampled tokens of the `sample_rows` (None when no row samples). With draft
         tokens in the step, what the rejection sampler kept of each sampling row's drafts (VerifyOutput);
         `sampling` then has one row per scored position."""
-        return self.sample(out, sampling, self.forward(self.prepare_inputs(out)))
+        return self.sample(out, sampling, self.forward(self.prepare_inputs(out), self.only_argmax(out, sampling)))
+
+    def only_argmax(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> bool:
+        """Whether the step needs nothing of its logits but each row's argmax (then the model may hand those over
+        instead, see forward): every row greedy with nothing to adjust or report (all_plain_greedy), no grammar
+        mask, no drafts to verify, no observer of the logits."""
+        return (sampling is not None and sampling.all_plain_greedy and sampling.token_mask is None
+                and self.on_logits is None and not any(s.spec_token_ids for s in out.scheduled))
 
     @torch.inference_mode()
-    def forward(self, inputs) -> torch.Tensor:
-        """The model on prepared inputs (prepare_inputs'): the float32 logits of the sampled rows. Tensor-
-        parallel ranks other than 0 run only this, on the inputs rank 0 broadcast."""
+    def forward(self, inputs, greedy: bool = False) -> torch.Tensor:
+        """The model on prepared inputs (prepare_inputs'): the float32 logits of the sampled rows, or with greedy
+        (only_argmax) possibly their argmaxes, int64 [rows] (the model's greedy head). Tensor-parallel ranks other
+        than 0 run only this, on the inputs rank 0 broadcast."""
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
         input_ids, positions, meta, logits_indices = inputs
-        return self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices)
+        return self.model(input_ids, positions, self.kv_caches, self.backend, meta, logits_indices, greedy=greedy)
 
     @torch.inference_mode()
     def sample(self, out: SchedulerOutput, sampling: SamplingMetadata | None,
                logits: torch.Tensor) -> SamplerOutput | VerifyOutput | None:
-        """The step's logits → its tokens (or its verified drafts)."""
+        """The step's logits (or, from the greedy head, its argmaxes: int64 [rows]) → its tokens (or its verified
+        drafts)."""
         rows = self.sample_rows(out)
+        if logits.dtype == torch.int64:  # forward(greedy=True) took the argmaxes already
+            return self.sampler.from_argmax(logits, self.model.config.vocab_size)
         if self.on_logits is not None:
             ids = [out.scheduled[r].request_id for r in rows for _ in range(1 + len(out.scheduled[r].spec_token_ids))]
             self.on_logits(ids, logits)

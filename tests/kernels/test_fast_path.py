@@ -54,3 +54,33 @@ def test_bf16_engine_greedy_mostly_matches_float32(llm_fp32):
     a = [o.outputs[0].token_ids for o in llm_fp32.generate(PROMPTS, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in bf16.generate(PROMPTS, params, use_tqdm=False)]
     assert sum(x[0] == y[0] for x, y in zip(a, b, strict=True)) >= 3  # first tokens agree (almost) always
+
+
+def test_greedy_steps_take_the_heads_argmax_and_the_same_tokens(monkeypatch):
+    """An all-greedy step with nothing to adjust or report asks the model for its rows' argmaxes only: on the bf16
+    GGUF route the LM head hands those over without writing the logits (MatmulRoutes.argmax). The same tokens as
+    the sampler's argmax over the logits, at a step of a few rows (the GEMV) and of 20 (the many-rows kernels on
+    either route); a step with a request asking for logprobs gets its logits."""
+    llm = LLM(dtype="bfloat16", max_num_seqs=32)
+    runner = llm.engine.runner
+    fused: list[int] = []
+    real = runner.sampler.from_argmax
+    monkeypatch.setattr(runner.sampler, "from_argmax", lambda ids, vocab: fused.append(len(ids)) or real(ids, vocab))
+    prompts = [f"{p} ({i})" for i in range(5) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    few = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    many = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    if CpuKernels.build().quant_bf16:  # the bf16 GGUF head (AVX512-BF16); elsewhere the logits as before
+        assert 2 in fused and 20 in fused
+    else:
+        assert fused == []
+    fused.clear()
+    monkeypatch.setattr(runner, "only_argmax", lambda out, sampling: False)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == few
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == many
+    assert fused == []
+    monkeypatch.undo()
+    monkeypatch.setattr(runner.sampler, "from_argmax", lambda ids, vocab: fused.append(len(ids)) or real(ids, vocab))
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[0]
+    assert fused == [] and len(out.outputs[0].logprobs) == 3
+    assert out.outputs[0].token_ids == few[0][:3]

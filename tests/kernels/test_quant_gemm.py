@@ -395,6 +395,50 @@ def test_bf16_linear_of_many_rows_and_columns_gives_each_rows_own_bits(kernels, 
 
 @needs_bf16
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+def test_bf16_linear_argmax_is_the_first_argmax_of_its_logits(kernels, threads, bf16_route):
+    """quant_linear_bf16_argmax (greedy decoding's LM head): each row's index of the first maximum of the float32
+    logits quant_linear_bf16 gives, as torch.argmax picks it, where the many-rows kernels never write those logits:
+    on the few-rows GEMV, both many-rows routes (x in L2, split by columns; past 1 MB of x, split by rows) and 1 or
+    2 threads; with a bias; a partial last panel. The weights' second half repeats the first, so every maximum is
+    there twice, the later copy in another panel group (on 2 threads, another thread's): the first must win; and a
+    weight of equal rows ties every column. A row with a NaN logit gives -1."""
+    qtype = Q.Q8_0
+    half, k = 1000, 256  # n = 2,000 columns (125 whole panels); 1,007 below, a partial last panel
+    raw = random_blocks(qtype, half, k, seed=51)
+    raw = np.concatenate([raw, raw])
+    n = 2 * half
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    odd = random_blocks(qtype, 1000 + 7, k, seed=52)  # 1,007 columns: a partial last panel
+    odd_packed = kernels.quant_pack(torch.from_numpy(odd), int(qtype))
+    same = kernels.quant_pack(torch.from_numpy(np.repeat(odd[:1], 100, axis=0)), int(qtype))
+    g = torch.Generator().manual_seed(53)
+    x = torch.randn(4200, k, generator=g).to(torch.bfloat16)  # 4,200 x 256 bf16: 2.1 MB
+    bias = torch.randn(n, generator=g)
+    for m in (1, 3, 4, 5, 16, 17, 128, 4200):
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for b in (None, bias):
+                logits = kernels.quant_linear_bf16(x[:m], packed, int(qtype), n, b, torch.float32)
+                got = kernels.quant_linear_bf16_argmax(x[:m], packed, int(qtype), n, b)
+                assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1)), (m, t, b is None)
+                if b is None:
+                    assert bool((got < half).all())  # the first copy of each maximum
+            logits = kernels.quant_linear_bf16(x[:m], odd_packed, int(qtype), 1007, None, torch.float32)
+            assert torch.equal(kernels.quant_linear_bf16_argmax(x[:m], odd_packed, int(qtype), 1007, None),
+                               logits.argmax(-1)), (m, t)
+            assert not bool(kernels.quant_linear_bf16_argmax(x[:m], same, int(qtype), 100, None).any())  # all ties: 0
+    nan = x[:130].clone()
+    nan[2, 3] = nan[129, 0] = float("nan")
+    for m in (4, 130):
+        got = kernels.quant_linear_bf16_argmax(nan[:m], packed, int(qtype), n, None)
+        logits = kernels.quant_linear_bf16(nan[:m], packed, int(qtype), n, None, torch.float32)
+        bad = logits.isnan().any(-1)
+        assert bool((got[bad] == -1).all()) and int(bad.sum()) == (1 if m == 4 else 2)
+        assert torch.equal(got[~bad], logits[~bad].argmax(-1))
+
+
+@needs_bf16
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 def test_bf16_linear_in_k_blocks_gives_each_rows_own_bits(kernels, threads, bf16_route):
     """Past K = 640 the AMX many-rows route runs K in blocks (here 5 of 256), C stored and reloaded between them, a
     panel pair's B tiles kept in L1 while the row pairs pass (up to 640 on the prefill-sized route and for the fused

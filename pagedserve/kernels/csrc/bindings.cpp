@@ -72,6 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_bf16", &pagedserve::quant_linear_bf16, py::arg("x"), py::arg("packed"), py::arg("type_id"),
         py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
         "bf16 x @ Wb.T (+ bias), Wb quant_pack's blocks dequantized and rounded to bf16: one vdpbf16ps (or, where AMX is active, one TDPBF16PS) chain per output");
+  m.def("quant_linear_bf16_argmax", &pagedserve::quant_linear_bf16_argmax, py::arg("x"), py::arg("packed"),
+        py::arg("type_id"), py::arg("n"), py::arg("k"), py::arg("bias"),
+        "int64 [M]: each row's first argmax of quant_linear_bf16's float32 logits (-1 where one is NaN), the many-rows "
+        "routes never writing the logits (greedy decoding's LM head)");
   m.def("quant_linear_bf16_silu", &pagedserve::quant_linear_bf16_silu, py::arg("x"), py::arg("packed"),
         py::arg("type_id"), py::arg("n"), py::arg("k"),
         "silu(gate) * up of quant_linear_bf16 over W = [gate; up] (n = 2 I, I % 16 == 0), bf16 [M, I]: the bits of "

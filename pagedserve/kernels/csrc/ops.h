@@ -53,6 +53,8 @@ bool amx_active();
 bool set_amx(bool enabled);
 torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                                 c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype);
+torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
+                                       int64_t K, c10::optional<torch::Tensor> bias);
 torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
                                      int64_t K);
 bool has_quant_i8();

@@ -1144,6 +1144,80 @@ inline void gemv_bf16_rows(int64_t R, const uint16_t* x, int64_t xs, const uint8
   }
 }
 
+// Greedy decoding's epilogue (quant_linear_bf16_argmax): instead of writing its rows' float32 sums (a [rows, vocab]
+// tensor that the sampler then reads back: at W1's 128 rows a 25 MB write and read, ~3 ms of a ~59 ms decode step),
+// a matmul hands them here, 16 columns at a time, and each thread keeps per row and lane the largest sum so far and
+// its column, taken only by a larger sum (the drivers hand a thread's columns of a row over in increasing order, so
+// a lane keeps its first maximum); a NaN marks the row. result() reduces the threads' lanes: per row the lowest
+// column holding the largest sum (torch.argmax's and argmax_rows' index over the same float32 logits), or -1 where a
+// sum is NaN (the sampler names such a row instead of sampling it).
+class RowArgmax {
+ public:
+  RowArgmax(int64_t M, int64_t threads)
+      : M_(M), best_(threads * M * 16, -std::numeric_limits<float>::infinity()), col_(threads * M * 16, 0),
+        nan_(threads * M, 0) {}
+
+  // `rows` rows from row r (sums at acc, row stride as) of np panels from panel p0 (panel j's 16 at 16 j), plus bias;
+  // N columns in all. Thread t's lanes (the caller's at::get_thread_num()).
+  void update(int64_t t, const float* acc, int64_t as, int64_t rows, int64_t r, int np, int64_t p0, const float* bias,
+              int64_t N) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t at = t * M_ + r + i;
+      float* b = best_.data() + at * 16;
+      int32_t* c = col_.data() + at * 16;
+      __m512 vb = _mm512_loadu_ps(b);
+      __m512i vc = _mm512_loadu_si512(c);
+      __mmask16 nan = 0;
+      for (int j = 0; j < np; ++j) {
+        const int64_t n0 = (p0 + j) * 16;
+        const __mmask16 live = N - n0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+        __m512 v = _mm512_maskz_loadu_ps(live, acc + i * as + 16 * j);
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + n0));
+        const __mmask16 take = _mm512_mask_cmp_ps_mask(live, v, vb, _CMP_GT_OQ);
+        vb = _mm512_mask_mov_ps(vb, take, v);
+        vc = _mm512_mask_mov_epi32(vc, take, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(n0))));
+        nan |= _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q);
+      }
+      _mm512_storeu_ps(b, vb);
+      _mm512_storeu_si512(c, vc);
+      if (nan) nan_[at] = 1;
+    }
+  }
+
+  // int64 [M]: each row's argmax over every thread's lanes (-1: a NaN sum).
+  torch::Tensor result() const {
+    auto out = torch::empty({M_}, torch::kInt64);
+    int64_t* o = out.data_ptr<int64_t>();
+    const int64_t threads = static_cast<int64_t>(nan_.size()) / std::max<int64_t>(1, M_);
+    for (int64_t r = 0; r < M_; ++r) {
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t col = std::numeric_limits<int32_t>::max();
+      bool nan = false;
+      for (int64_t t = 0; t < threads; ++t) {
+        const int64_t at = t * M_ + r;
+        nan = nan || nan_[at];
+        for (int l = 0; l < 16; ++l) {  // a lane no sum reached (-inf, column 0) loses to any other
+          const float v = best_[at * 16 + l];
+          const int64_t c = col_[at * 16 + l];
+          if (v > best || (v == best && c < col)) {
+            best = v;
+            col = c;
+          }
+        }
+      }
+      o[r] = nan ? -1 : col;
+    }
+    return out;
+  }
+
+ private:
+  int64_t M_;
+  std::vector<float> best_;
+  std::vector<int32_t> col_;
+  std::vector<uint8_t> nan_;
+};
+
 // The panel groups of a many-rows bf16 matmul (both routes' drivers): groups of kBfPanels panels (64 output columns),
 // each widened into a bf16 pair buffer, one slot of K * 16 per panel. With Silu, W is [gate; up] (N = 2 I, I % 16 ==
 // 0) and y is [M, I]: a group holds the gate panels and the up panels of the same columns (up in slots kBfPanels..),
@@ -1157,10 +1231,11 @@ struct PanelGroups {
   const uint8_t* w;
   const float* bias;
   OT* y;
+  RowArgmax* argmax;  // non-null: the rows' sums go there instead of y (no Silu)
   int64_t N, K, pstride, panels, up0, groups;
 
-  PanelGroups(const uint8_t* w_, const float* bias_, OT* y_, int64_t N_, int64_t K_)
-      : w(w_), bias(bias_), y(y_), N(N_), K(K_),
+  PanelGroups(const uint8_t* w_, const float* bias_, OT* y_, int64_t N_, int64_t K_, RowArgmax* argmax_ = nullptr)
+      : w(w_), bias(bias_), y(y_), argmax(argmax_), N(N_), K(K_),
         pstride(16 * (K_ / quant_type(T).block_size) * quant_type(T).block_bytes),
         panels(Silu ? N_ / 32 : (N_ + 15) / 16),  // per side
         up0(Silu ? N_ / 32 : 0),                  // the first up panel
@@ -1187,6 +1262,8 @@ struct PanelGroups {
   void write(const float* acc, int64_t rows, int64_t r, int64_t p0) const {
     if constexpr (Silu) {
       write_silu(acc, as, rows, np(p0), p0, y + r * (N / 2), N / 2, kBfPanels * 16);
+    } else if (argmax) {
+      argmax->update(at::get_thread_num(), acc, as, rows, r, np(p0), p0, bias, N);
     } else {
       write_panels(acc, as, rows, np(p0), p0, bias, y + r * N, N);
     }
@@ -1392,7 +1469,7 @@ struct OutPrefetch {
 // The many-rows AMX matmul (M > kAmxGemvRows); with Silu, the fused SwiGLU (see PanelGroups).
 template <int64_t T, typename OT, bool Silu = false>
 void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
-                         int64_t N, int64_t K) {
+                         int64_t N, int64_t K, RowArgmax* argmax = nullptr) {
   // Work items of (a block of rows, a panel group: PanelGroups) over the group's widened weights. Pairs of full row
   // tiles against pairs of panels; one operand stays in L1 while the other streams past it: a tile load from L2 does
   // not overlap the tile products before it (no tile renaming), so with both operands from L2 a 2 x 2 step took
@@ -1411,7 +1488,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
   // thread's items alternate between two acc buffers), the last when the task ends.
   using PG = PanelGroups<T, OT, Silu>;
   using LW = AmxLaterWrites<PG>;
-  const PG pg(w, bias, y, N, K);
+  const PG pg(w, bias, y, N, K, argmax);
   constexpr int sides = PG::sides;
   constexpr int64_t as = PG::as, slots = PG::slots;
   const int64_t groups = pg.groups;
@@ -1430,7 +1507,7 @@ void quant_gemm_amx_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const 
     GroupPrefetch& pf = ahead ? *ahead : none;
     pf.spread(steps);
     OutPrefetch op;
-    if (ahead) {
+    if (ahead && !argmax) {
       const int64_t yn = Silu ? N / 2 : N, sz = static_cast<int64_t>(sizeof(OT));
       op.start(y + m0 * yn + p0 * 16, yn * sz, std::min<int64_t>(np * 16, yn - p0 * 16) * sz, mb, steps);
     }
@@ -1567,9 +1644,9 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
 // (a thread's items are consecutive), then kBfRows x kBfPanels register tiles over all of K.
 template <int64_t T, typename OT, bool Silu = false>
 void quant_gemm_bf16_rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M,
-                          int64_t N, int64_t K) {
+                          int64_t N, int64_t K, RowArgmax* argmax = nullptr) {
   using PG = PanelGroups<T, OT, Silu>;
-  const PG pg(w, bias, y, N, K);
+  const PG pg(w, bias, y, N, K, argmax);
   // Row blocks of up to ~384 KB of x, so that each group's widening is shared by many rows, of equal size (in whole
   // tiles): a block of a few leftover rows would run as a short item beside full ones. Few items (a decode step's
   // small matrices: 9 or 15 groups) that the threads cannot share evenly leave one idle at the end (5 of 9 items on
@@ -2545,6 +2622,56 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
 #else
   TORCH_CHECK(false, "quant_linear_bf16: this build has no AVX512-BF16");
   return y;
+#endif
+}
+
+// Greedy decoding over quant_linear_bf16 (an LM head): int64 [M], each row's index of the first maximum of its float32
+// logits y = x @ Wb.T (+ bias) as quant_linear_bf16 computes them, or -1 where one is NaN (RowArgmax). Where the
+// many-rows kernels run the logits are never written (their epilogue hands them to RowArgmax); a few rows' are
+// computed as they are and reduced the same way.
+torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
+                                       int64_t K, c10::optional<torch::Tensor> bias) {
+  using namespace quant_detail;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_linear_bf16_argmax: x must be bfloat16");
+  TORCH_CHECK(N > 0, "quant_linear_bf16_argmax: n must be positive");
+  const torch::Tensor& p = checked_linear(x, packed, type, N, K, torch::kFloat32, "quant_linear_bf16_argmax");
+  const torch::Tensor bf = checked_bias(bias, N, "quant_linear_bf16_argmax");
+  const int64_t M = x.size(0);
+  if (M == 0) return torch::empty({0}, torch::kInt64);
+#ifdef PAGEDSERVE_QUANT_BF16
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  int64_t few = kGemvRows;
+  [[maybe_unused]] bool amx = false;
+#ifdef PAGEDSERVE_QUANT_AMX
+  if (amx_active()) {
+    amx = true;
+    few = kAmxGemvRows;
+  }
+#endif
+  if (M <= few) {  // the few rows' logits (M x N floats), then the same reduction (bias already in them)
+    const torch::Tensor y = quant_linear_bf16(x, packed, type, N, K, bias, torch::kFloat32);
+    RowArgmax am(M, 1);
+    am.update(0, y.data_ptr<float>(), N, M, 0, static_cast<int>((N + 15) / 16), 0, nullptr, N);
+    return am.result();
+  }
+  RowArgmax am(M, at::get_num_threads());
+  const uint16_t* xp = ptr<uint16_t>(x);
+  const uint8_t* wp = p.data_ptr<uint8_t>();
+  dispatch_type(type, [&]<int64_t T>() {
+#ifdef PAGEDSERVE_QUANT_AMX
+    if (amx) {
+      quant_gemm_amx_rows<T, float>(xp, x.stride(0), wp, bp, nullptr, M, N, K, &am);
+      return;
+    }
+#endif
+    quant_gemm_bf16_rows<T, float>(xp, x.stride(0), wp, bp, nullptr, M, N, K, &am);
+  });
+  return am.result();
+#else
+  (void)p;
+  (void)bf;
+  TORCH_CHECK(false, "quant_linear_bf16_argmax: this build has no AVX512-BF16");
+  return torch::Tensor();
 #endif
 }
 
