@@ -67,10 +67,23 @@ def main() -> None:
     stack = model._decode_stack(eng.runner.kv_caches, eng.runner.backend.row_invariant)
     timed_stack = types.SimpleNamespace(forward=timer(stack.forward, "stack"))
     model._decode_stack = lambda *a, **k: timed_stack
+
+    class TimedHead:
+        """The head's routes, both ways in timed: the logits (a call) and a greedy step's argmaxes (argmax)."""
+
+        def __init__(self, routes) -> None:
+            self.routes, self.call, self.argmax = routes, timer(routes, "head"), timer(routes.argmax, "head")
+
+        def __call__(self, *a, **k):
+            return self.call(*a, **k)
+
+        def __getattr__(self, name: str):
+            return getattr(self.routes, name)
+
     if model.lm_head is not None:
-        model.lm_head.routes = timer(model.lm_head.routes, "head")
+        model.lm_head.routes = TimedHead(model.lm_head.routes)
     else:
-        model.tied_head_routes = timer(model.tied_head_routes, "head")
+        model.tied_head_routes = TimedHead(model.tied_head_routes)
 
     steps: list[tuple[bool, int, dict[str, int]]] = []
     step = eng.step
