@@ -45,6 +45,9 @@ class CpuKernels:
     quant_types: frozenset[int] = frozenset()
     # quant_linear_bf16: bf16 activations against the blocks' weights rounded to bf16 (AVX512-BF16 builds).
     quant_bf16: bool = False
+    # quant_linear_bf16_argmax: greedy decoding's head without its logits (with quant_bf16; an extension built from
+    # an older commit, as benchmarks/ab_builds.py may load, lacks it and the head writes logits as before).
+    greedy_head: bool = False
     # quant_linear_i8 for 1-4 rows over GGUF blocks: activations quantized to int8 per 32 (llama.cpp's numerics; built
     # with AVX2 -- AVX512-VNNI + VBMI kernels or AVX2 ones, the same bits -- and asked for:
     # EngineConfig.int8_activations), for the ggml types of quant_i8_types (every type read in place:
@@ -75,6 +78,7 @@ class CpuKernels:
             fixed_matmuls=(not ext.has_avx512()) if fixed_matmuls is None else fixed_matmuls,
             quant_types=frozenset(ext.quant_types()),
             quant_bf16=ext.has_quant_bf16(),
+            greedy_head=ext.has_quant_bf16() and hasattr(ext, "quant_linear_bf16_argmax"),
             quant_i8=int8_activations and ext.has_quant_i8(),
             quant_i8_types=frozenset(ext.quant_i8_types()),
             arena=huge_pages.Arena() if use_huge_pages else None,

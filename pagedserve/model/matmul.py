@@ -314,9 +314,9 @@ class MatmulRoutes:
     def argmax(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """Greedy decoding over this float32-out matmul (an LM head): int64 [rows], each row's first argmax of the
         logits `self(x, ...)` gives (-1 where one is NaN), without writing them; on the QUANT_BF16 route with a single
-        block type; None elsewhere."""
+        block type (and CpuKernels.greedy_head); None elsewhere."""
         route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
-        if route != Route.QUANT_BF16 or not self.float32_out or len(self.quant) != 1:
+        if route != Route.QUANT_BF16 or not self.float32_out or len(self.quant) != 1 or not self.kernels.greedy_head:
             return None
         p = self.quant[0]
         return self.kernels.quant_linear_bf16_argmax(x.to(torch.bfloat16), p.packed, p.type_id, p.n, bias)
