@@ -2648,10 +2648,20 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
     few = kAmxGemvRows;
   }
 #endif
-  if (M <= few) {  // the few rows' logits (M x N floats), then the same reduction (bias already in them)
+  if (M <= few) {  // the few rows' logits (M x N floats), then the same reduction (bias already in them), in
+                   // parallel over rows and, for fewer rows than threads, column ranges
     const torch::Tensor y = quant_linear_bf16(x, packed, type, N, K, bias, torch::kFloat32);
-    RowArgmax am(M, 1);
-    am.update(0, y.data_ptr<float>(), N, M, 0, static_cast<int>((N + 15) / 16), 0, nullptr, N);
+    const float* yp = y.data_ptr<float>();
+    const int64_t threads = at::get_num_threads(), panels = (N + 15) / 16;
+    const int64_t parts = std::clamp<int64_t>(threads / M, 1, panels);
+    RowArgmax am(M, threads);
+    at::parallel_for(0, M * parts, 1, [&](int64_t i0, int64_t i1) {
+      const int64_t t = at::get_thread_num();
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / parts, c = i % parts, p0 = c * panels / parts, p1 = (c + 1) * panels / parts;
+        am.update(t, yp + r * N + p0 * 16, N, 1, r, static_cast<int>(p1 - p0), p0, nullptr, N);
+      }
+    });
     return am.result();
   }
   RowArgmax am(M, at::get_num_threads());
