@@ -185,9 +185,9 @@ class ModelRunner:
                logits: torch.Tensor) -> SamplerOutput | VerifyOutput | None:
         """The step's logits (or, from the greedy head, its argmaxes: int64 [rows]) → its tokens (or its verified
         drafts)."""
-        rows = self.sample_rows(out)
         if logits.dtype == torch.int64:  # forward(greedy=True) took the argmaxes already
             return self.sampler.from_argmax(logits, self.model.config.vocab_size)
+        rows = self.sample_rows(out)
         if self.on_logits is not None:
             ids = [out.scheduled[r].request_id for r in rows for _ in range(1 + len(out.scheduled[r].spec_token_ids))]
             self.on_logits(ids, logits)

@@ -80,11 +80,10 @@ inline void mask_skipped(float* sc, int64_t n, int64_t S, int64_t skip) {
 // scaled by the two pairs' keys); what is left when the next pair starts is asked for at once (finish). Asked for a
 // fixed 1 line per unit, W1's pairs (192 keys) left 37% of their next pair's lines to that burst, which stalls on
 // the line-fill buffers: paced, W1's decode attention took 1.147 -> 1.083 ms per layer (0.94x). The blocks lie at
-// random places, where no hardware prefetcher follows; a pair's rows
-// (~150 KB for SmolLM2 at 192 keys) fit L2 beside the next one's. On a Sapphire Rapids this took W1's decode
-// attention from 1.9 to 1.05 ms per layer (benchmarks/decode_attention_ab.py), where prefetching a fixed
-// distance ahead inside each task (kept in flight by too few line-fill buffers) overlapped little of the memory
-// with the compute. A thread's first pair is not asked for ahead (`cold`): its passes prefetch their own rows a fixed
+// random places, where no hardware prefetcher follows; a pair's rows (~150 KB for SmolLM2 at 192 keys) fit L2
+// beside the next one's. On a Sapphire Rapids the stream took W1's decode attention from 1.9 to 1.05 ms per layer
+// (benchmarks/decode_attention_ab.py), where prefetching a fixed distance ahead inside each task (kept in flight by
+// too few line-fill buffers) overlapped little of the memory with the compute. A thread's first pair is not asked for ahead (`cold`): its passes prefetch their own rows a fixed
 // distance ahead (prefetch_ahead), which overlaps better where a thread has a single pair (one sequence's decode).
 // The AVX2 kernel (legacy::decode_kernel) streams the next sequence's rows the same way.
 struct RowStream {
