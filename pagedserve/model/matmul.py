@@ -273,8 +273,12 @@ class MatmulRoutes:
         else:
             self.few_rows = self.many_rows
 
+    def route_for(self, x: torch.Tensor) -> Route:
+        """The route x's row count takes (few_rows for 1 to GEMV_MAX_ROWS rows, else many_rows)."""
+        return self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+        route = self.route_for(x)
         if route in (Route.QUANT, Route.QUANT_BF16, Route.QUANT_I8):
             return self._quant(x, bias, route)
         if route == Route.FIXED:
@@ -315,7 +319,7 @@ class MatmulRoutes:
         """Greedy decoding over this float32-out matmul (an LM head): int64 [rows], each row's first argmax of the
         logits `self(x, ...)` gives (-1 where one is NaN), without writing them; on the QUANT_BF16 route with a single
         block type (and CpuKernels.greedy_head); None elsewhere."""
-        route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+        route = self.route_for(x)
         if route != Route.QUANT_BF16 or not self.float32_out or len(self.quant) != 1 or not self.kernels.greedy_head:
             return None
         p = self.quant[0]
@@ -324,7 +328,7 @@ class MatmulRoutes:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate; up] matmul (no bias) in one kernel call, the same bits as the matmul then
         kernels.silu_and_mul: on the QUANT_BF16 route with bf16 x and a single block type; None elsewhere."""
-        route = self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+        route = self.route_for(x)
         if (route != Route.QUANT_BF16 or self.float32_out or x.dtype != torch.bfloat16 or len(self.quant) != 1
                 or self.quant[0].n % 32):
             return None

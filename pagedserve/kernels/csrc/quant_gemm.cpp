@@ -1705,6 +1705,32 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
   quant_gemm_bf16_rows<T, OT>(x, xs, w, bias, y, M, N, K);
 }
 
+// The bf16 route this process runs (AMX tiles where amx_active, else vdpbf16ps) for the fused entry points (the
+// SwiGLU, the greedy argmax): up to `few` rows its few-rows kernels, above them its many-rows driver (rows()).
+struct Bf16Route {
+  bool amx = false;
+  int64_t few = kGemvRows;
+  Bf16Route() {
+#ifdef PAGEDSERVE_QUANT_AMX
+    if (amx_active()) {
+      amx = true;
+      few = kAmxGemvRows;
+    }
+#endif
+  }
+  template <int64_t T, typename OT, bool Silu = false>
+  void rows(const uint16_t* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N, int64_t K,
+            RowArgmax* argmax = nullptr) const {
+#ifdef PAGEDSERVE_QUANT_AMX
+    if (amx) {
+      quant_gemm_amx_rows<T, OT, Silu>(x, xs, w, bias, y, M, N, K, argmax);
+      return;
+    }
+#endif
+    quant_gemm_bf16_rows<T, OT, Silu>(x, xs, w, bias, y, M, N, K, argmax);
+  }
+};
+
 #endif
 
 // ---- int8 activations (AVX512-VNNI + VBMI, or AVX2: the same bits): quant_linear_i8 -------------------------------
@@ -2640,15 +2666,8 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
   if (M == 0) return torch::empty({0}, torch::kInt64);
 #ifdef PAGEDSERVE_QUANT_BF16
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  int64_t few = kGemvRows;
-  [[maybe_unused]] bool amx = false;
-#ifdef PAGEDSERVE_QUANT_AMX
-  if (amx_active()) {
-    amx = true;
-    few = kAmxGemvRows;
-  }
-#endif
-  if (M <= few) {  // the few rows' logits (M x N floats), then the same reduction (bias already in them), in
+  const Bf16Route route;
+  if (M <= route.few) {  // the few rows' logits (M x N floats), then the same reduction (bias already in them), in
                    // parallel over rows and, for fewer rows than threads, column ranges
     const torch::Tensor y = quant_linear_bf16(x, packed, type, N, K, bias, torch::kFloat32);
     const float* yp = y.data_ptr<float>();
@@ -2667,15 +2686,7 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
   RowArgmax am(M, at::get_num_threads());
   const uint16_t* xp = ptr<uint16_t>(x);
   const uint8_t* wp = p.data_ptr<uint8_t>();
-  dispatch_type(type, [&]<int64_t T>() {
-#ifdef PAGEDSERVE_QUANT_AMX
-    if (amx) {
-      quant_gemm_amx_rows<T, float>(xp, x.stride(0), wp, bp, nullptr, M, N, K, &am);
-      return;
-    }
-#endif
-    quant_gemm_bf16_rows<T, float>(xp, x.stride(0), wp, bp, nullptr, M, N, K, &am);
-  });
+  dispatch_type(type, [&]<int64_t T>() { route.rows<T, float>(xp, x.stride(0), wp, bp, nullptr, M, N, K, &am); });
   return am.result();
 #else
   (void)p;
@@ -2696,27 +2707,14 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, torch::kBFloat16, "quant_linear_bf16_silu");
   const int64_t M = x.size(0);
 #ifdef PAGEDSERVE_QUANT_BF16
-  // Fused where the many-rows kernel runs (AMX: above kAmxGemvRows rows; vdpbf16ps: above kGemvRows).
-  [[maybe_unused]] bool amx = false;
-  int64_t few = kGemvRows;
-#ifdef PAGEDSERVE_QUANT_AMX
-  if (amx_active()) {
-    amx = true;
-    few = kAmxGemvRows;
-  }
-#endif
-  if (M > few) {
+  // Fused in the many-rows kernel's epilogue (AMX: above kAmxGemvRows rows; vdpbf16ps: above kGemvRows).
+  const Bf16Route route;
+  if (M > route.few) {
     auto y = matmul_output(M, N / 2, x.options());
     const uint16_t* xp = ptr<uint16_t>(x);
     const uint8_t* wp = p.data_ptr<uint8_t>();
     dispatch_type(type, [&]<int64_t T>() {
-#ifdef PAGEDSERVE_QUANT_AMX
-      if (amx) {
-        quant_gemm_amx_rows<T, uint16_t, true>(xp, x.stride(0), wp, nullptr, ptr<uint16_t>(y), M, N, K);
-        return;
-      }
-#endif
-      quant_gemm_bf16_rows<T, uint16_t, true>(xp, x.stride(0), wp, nullptr, ptr<uint16_t>(y), M, N, K);
+      route.rows<T, uint16_t, true>(xp, x.stride(0), wp, nullptr, ptr<uint16_t>(y), M, N, K);
     });
     return y;
   }
@@ -2732,7 +2730,7 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
     constexpr QuantType t = quant_type(T);
     const int64_t pstride = 16 * (K / t.block_size) * t.block_bytes, up = pairs * pstride;
 #ifdef PAGEDSERVE_QUANT_AMX
-    if (amx) {
+    if (route.amx) {
       gemv_silu_pairs<kAmxGemvRows>(
           M, pairs, wp, pstride, yp,
           [&](int64_t g, float* acc) { gemv_amx<T, 2, true>(xp, xs, wp + g * pstride, up, K, acc, 32); },
