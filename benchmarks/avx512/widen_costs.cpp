@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #define UNROLL _Pragma("GCC unroll 32")
@@ -39,7 +40,7 @@ inline void pairs(__m512 v, __m512& lo, __m512& hi) {  // row vector -> (v_r, v_
 
 struct Scales {  // make's magic form: F = 2 + q / 64, fma(F, 64 d, m - 128 d) = d q + m
   __m512 d0, d1, m0, m1;
-  explicit Scales(const uint8_t* pb) {
+  void init(const uint8_t* pb) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 32)));
     const __m512 sD = _mm512_mul_ps(d, _mm512_set1_ps(-64.f));
@@ -74,11 +75,11 @@ __attribute__((noinline)) void gemv_vpermb(const uint16_t* x, int64_t xs, const 
   const __m512i base = _mm512_set1_epi32(0x40000000), low4 = _mm512_set1_epi8(0x0F);
   for (int64_t k0 = 0; k0 < kK; k0 += 32) {
     const uint8_t* pb[P];
-    Scales* sc = static_cast<Scales*>(__builtin_alloca(P * sizeof(Scales)));
+    Scales sc[P];
     UNROLL
     for (int p = 0; p < P; ++p) {
       pb[p] = panel + p * pstride + (k0 / 32) * kBlockBytes;
-      new (&sc[p]) Scales(pb[p]);
+      sc[p].init(pb[p]);
     }
     UNROLL
     for (int j = 0; j < 16; j += 2) {
@@ -124,11 +125,11 @@ __attribute__((noinline)) void gemv_lane(const uint16_t* x, int64_t xs, const ui
   for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) c[p][r] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < kK; k0 += 32) {
     const uint8_t* pb[P];
-    Scales* sc = static_cast<Scales*>(__builtin_alloca(P * sizeof(Scales)));
+    Scales sc[P];
     UNROLL
     for (int p = 0; p < P; ++p) {
       pb[p] = panel + p * pstride + (k0 / 32) * kBlockBytes;
-      new (&sc[p]) Scales(pb[p]);
+      sc[p].init(pb[p]);
     }
     UNROLL
     for (int half = 0; half < 2; ++half) {
