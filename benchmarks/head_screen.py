@@ -6,8 +6,9 @@ last steps (the rows `MatmulRoutes.argmax` receives), and for each row compares:
     rounded to bf16), summed in float64;
   - a screen in the int8 route's numerics: x quantized to int8 per 32-block (scale max|x| / 127), integer dot
     products with the file's Q8_0 quants, times both scales;
-  - a rigorous bound on their difference per logit: per block, sum |d q| times (2^-9 max|x|: each bf16 weight is within
-    2^-9 |d q| of d q; plus half an int8 step of x), with a margin for float32 sums.
+  - a rigorous bound on their difference per logit: per block, sum |d q| times max|x| times 2^-8 (each bf16 weight is
+    within 2^-8 |d q| of d q, bf16 having 8 significant bits), plus half an int8 step of x, plus 2 K 2^-24 (the
+    float32 sums of either side, each within K 2^-24 of the sum of its terms' magnitudes), times 1.01.
 The candidates of a row are the columns whose screened logit plus its bound reaches the largest screened logit minus
 its bound: the exact argmax is always among them (checked), and only they would need the exact bf16 chain. Prints
 how many there are per row.
@@ -76,7 +77,8 @@ def main() -> None:
     xmax = xb.abs().amax(2)
     sx = xmax / 127
     xq = torch.round(xb / sx[:, :, None].clamp_min(1e-30))
-    coef = 2.0**-9 * xmax + sx / 2
+    k = x.shape[1]
+    coef = (2.0**-8 + 2 * k * 2.0**-24 * (1 + 2.0**-8)) * xmax + sx / 2  # times sum |d q| per block
     exact, screened, bound = [], [], []
     for n0 in range(0, n, 8192):  # in column chunks (Gemma 3's 262,144 columns)
         dd, qq = d[n0 : n0 + 8192].double(), q[n0 : n0 + 8192].double()
@@ -85,7 +87,7 @@ def main() -> None:
         screened.append((torch.einsum("rbk,nbk->rnb", xq, qq) * (dd[None] * sx[:, None, :])).sum(2))
         bound.append(coef @ (dd.abs() * qq.abs().sum(2)).T)
     exact, screened = torch.cat(exact, 1), torch.cat(screened, 1)
-    bound = torch.cat(bound, 1) * 1.001 + 1e-6
+    bound = torch.cat(bound, 1) * 1.01
     best = exact.argmax(1)
     cand = screened + bound >= (screened - bound).amax(1, keepdim=True)
     count = cand.sum(1).double()
