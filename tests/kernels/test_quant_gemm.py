@@ -813,3 +813,66 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
     with pytest.raises(RuntimeError, match="outside the cache|block id"):
         run(2, team=True, tables=bad)
     assert all(torch.equal(r, o) for r, o in zip(run(2, team=False), run(2, team=True), strict=True))
+
+
+@pytest.mark.usefixtures("threads")
+@pytest.mark.parametrize("arch", ["native", "x86-64-v3"])
+def test_decode_stack_team_on_the_float32_route(arch):
+    """A float32 stack on the float32 quantized route (7: quant_linear's AVX2 GEMV, whose groups split through
+    team_for) runs a step of 1-4 sequences as one team too, with the same bits as a parallel region per op. Native
+    (AVX-512): the fused decode attention splits its tasks in the team; x86-64-v3 (an AVX2-only CPU's build, without
+    that kernel): the portable attention runs whole on thread 0 between the barriers. 5 sequences take the old path
+    (the float32 GEMV's reach is 4 rows, AMX or not). A bad block table raises inside the team as outside it."""
+    ext = __import__("pagedserve.kernels", fromlist=["x"]).load_extension(arch)
+    assert ext is not None
+    g = torch.Generator().manual_seed(23)
+    shapes = {"qkv": ((H + 2 * KVH) * D, HIDDEN), "o": (HIDDEN, H * D), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER)}
+    kinds = iter([Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.Q5_1])
+
+    def spec(name: str, seed: int):
+        n, k = shapes[name]
+        qtype = next(kinds)
+        packed = ext.quant_pack(torch.from_numpy(random_blocks(qtype, n, k, seed=seed)), int(qtype))
+        bias = torch.randn(n, generator=g) if name == "qkv" else None
+        return ext.MatmulSpec(7, None, bias, packed, int(qtype), n=n)
+
+    layers = [({name: spec(name, 400 + 10 * i + j) for j, name in enumerate(shapes)}, 8 * i) for i in range(2)]
+    norms = [(torch.rand(HIDDEN, generator=g) + 0.5, torch.rand(HIDDEN, generator=g) + 0.5) for _ in layers]
+    caches = [(torch.randn(40, BS, KVH, D, generator=g), torch.randn(40, BS, KVH, D, generator=g)) for _ in layers]
+    lens = torch.tensor([5, 17, 9, 30, 12])
+    tables = torch.arange(10).view(5, 2)
+    angles = torch.rand(5, D // 2, generator=g) * 6
+    x = torch.randn(5, HIDDEN, generator=g)
+    w = torch.rand(HIDDEN, generator=g) + 0.5
+
+    def run(b: int, team: bool, tables=tables):
+        built = [ext.DecodeLayer(ln1, ln2, *(mats[n] for n in shapes), kc.clone(), vc.clone(), window=window)
+                 for (mats, window), (ln1, ln2), (kc, vc) in zip(layers, norms, caches, strict=True)]
+        s = ext.DecodeStack(built, H, KVH, 1e-6, D**-0.5, False)
+        pos = lens[:b] - 1
+        slots = tables[torch.arange(b), pos // BS] * BS + pos % BS
+        before = ext.set_decode_team(team)
+        try:
+            out = s.forward(x[:b].clone(), angles[:b].cos(), angles[:b].sin(), slots, tables[:b], lens[:b],
+                            final_norm=w)
+            nxt = s.forward(out.clone(), angles[:b].sin(), angles[:b].cos(), slots + 1, tables[:b], lens[:b] + 1)
+            return out, nxt
+        finally:
+            ext.set_decode_team(before)
+
+    for nt in (1, 2):
+        torch.set_num_threads(nt)
+        for b in (1, 2, 4, 5):
+            ref = run(b, team=False)
+            steps = ext.decode_team_steps()
+            got = run(b, team=True)
+            team = b <= 4 and nt <= len(os.sched_getaffinity(0))
+            assert ext.decode_team_steps() - steps == (2 if team else 0), (nt, b)
+            assert ref[0].dtype == torch.float32 and not torch.equal(ref[0], ref[1])
+            assert all(torch.equal(r, o) for r, o in zip(ref, got, strict=True)), (nt, b)
+    bad = tables.clone()
+    bad[1, 1] = 99  # outside the 40-block cache
+    with pytest.raises(RuntimeError, match="outside the cache|block id"):
+        run(2, team=True, tables=bad)
+    assert all(torch.equal(r, o) for r, o in zip(run(2, team=False), run(2, team=True), strict=True))

@@ -143,12 +143,21 @@ class DecodeStack {
       }
     }
     // The team's conditions on the stack itself (see team_applies): not the strict mode, every matmul (and each of its
-    // parts) on a quantized route whose few-rows kernel splits through team_for (bf16 or int8 activations).
-    // Every layer's cache shaped and typed as the first's, so one check of the attention serves all (team_applies).
+    // parts) on a quantized route whose few-rows kernel splits through team_for (bf16 or int8 activations; float32
+    // activations where the AVX2 GEMV runs them: quant_gemm's few-rows path, gemv_groups). Every layer's cache shaped
+    // and typed as the first's, so one check of the attention serves all (team_applies).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    constexpr bool float_gemv_team = true;
+#else
+    constexpr bool float_gemv_team = false;
+#endif
     team_stack_ = !strict_attention_;
     for (const auto& l : layers_) {
-      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down})
-        team_stack_ = team_stack_ && (m->route == kQuantBf16 || m->route == kQuantI8);  // parts: the same route
+      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {  // parts: the same route
+        team_stack_ = team_stack_ &&
+                      (m->route == kQuantBf16 || m->route == kQuantI8 || (float_gemv_team && m->route == kQuant));
+        team_float_ = team_float_ || m->route == kQuant;
+      }
       team_stack_ = team_stack_ && l.k_cache.sizes().slice(1) == layers_[0].k_cache.sizes().slice(1) &&
                     l.k_cache.scalar_type() == layers_[0].k_cache.scalar_type();
       team_mlp_unfused_ = team_mlp_unfused_ || gelu_ || !l.gate_up.silu_fused();
@@ -180,8 +189,9 @@ class DecodeStack {
       if (sin_local) sin_local = sin_local->index_select(0, *positions);
     }
     static const torch::Tensor no_rows = torch::empty({0}, torch::kInt64);
-    if (team_applies(x, block_tables, seq_lens))
-      return team_forward(x, cos, sin, cos_local, sin_local, slot_mapping, block_tables, seq_lens, final_norm, no_rows);
+    if (const TeamAttention ta = team_applies(x, block_tables, seq_lens); ta != TeamAttention::kNone)
+      return team_forward(x, cos, sin, cos_local, sin_local, slot_mapping, block_tables, seq_lens, final_norm, no_rows,
+                          ta == TeamAttention::kSplit);
     const torch::Tensor qsl = strict_attention_ ? torch::arange(B + 1, torch::kInt64) : no_rows;
     torch::Tensor residual = x;
     torch::Tensor h = rms_norm(x, layers_[0].ln1, eps_, once_);
@@ -216,13 +226,19 @@ class DecodeStack {
 
  private:
   // The team (one parallel region for the whole step; see Team in common.h) takes a step of as many sequences as
-  // every matmul runs its few-rows kernel for (split by team_for): 4 (the vdpbf16ps route's GEMV), 16 where the bf16
-  // matmuls run on AMX tiles (the int8 route takes any count 4 rows at a time); of a team_stack_ (the constructor: the
-  // quantized routes, not the strict mode), no more threads than CPUs, the fused decode attention's route.
-  bool team_applies(const torch::Tensor& x, const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
+  // every matmul runs its few-rows kernel for (split by team_for): 4 (the vdpbf16ps route's GEMV and the float32
+  // one), 16 where the bf16 matmuls run on AMX tiles (the int8 route takes any count 4 rows at a time); of a
+  // team_stack_ (the constructor: the quantized routes, not the strict mode), no more threads than CPUs, and the fused
+  // decode attention's route (kSplit: its tasks split through team_for) — or, in a build without that AVX-512 kernel,
+  // the portable one on thread 0 alone (kThread0: it forks per sequence and writes its whole output, so it cannot take
+  // a share; at a W2 step of one sequence it ran on one thread anyway).
+  enum class TeamAttention { kNone, kSplit, kThread0 };
+  TeamAttention team_applies(const torch::Tensor& x, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens) const {
     const int64_t B = x.size(0);
-    if (!team_stack_ || !g_decode_team.load() || B < 1 || B > (amx_active() ? 16 : 4) || omp_in_parallel())
-      return false;
+    const int64_t max_rows = amx_active() && !team_float_ ? 16 : 4;
+    if (!team_stack_ || !g_decode_team.load() || B < 1 || B > max_rows || omp_in_parallel())
+      return TeamAttention::kNone;
     // More threads than the CPUs this process runs on: spinning team members would hold each other off their cores
     // (a W2 step on 4 threads over 2 CPUs: 61 tok/s per region and op, 44 as a team).
     static const int64_t cpus = [] {
@@ -231,20 +247,28 @@ class DecodeStack {
                                                           : static_cast<int64_t>(std::thread::hardware_concurrency());
     }();
     const int64_t threads = at::get_num_threads();
-    if (cpus > 0 && threads > cpus) return false;
-    return decode_attention_in_team(x.scalar_type(), H_, layers_[0].k_cache, block_tables, seq_lens);
+    if (cpus > 0 && threads > cpus) return TeamAttention::kNone;
+#ifdef PAGEDSERVE_AVX512
+    return decode_attention_in_team(x.scalar_type(), H_, layers_[0].k_cache, block_tables, seq_lens)
+               ? TeamAttention::kSplit
+               : TeamAttention::kNone;
+#else
+    (void)block_tables, (void)seq_lens;
+    return TeamAttention::kThread0;
+#endif
   }
 
   // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls (a bf16
-  // SwiGLU fused into gate_up's), the rotary + K/V write, the attention and the SwiGLU / GeGLU of the other routes split
-  // between the threads (team_for), the norms and the copies of a matmul's parts into its output on thread 0, the
-  // threads meeting at a barrier after each op. The tensors each op writes are made before the region, so the threads
-  // share them (a norm's output on thread 0: assigned before the barrier the others pass to read it).
+  // SwiGLU fused into gate_up's), the rotary + K/V write, the attention (split_attention; else on thread 0) and the
+  // SwiGLU / GeGLU of the other routes split between the threads (team_for), the norms and the copies of a matmul's
+  // parts into its output on thread 0, the threads meeting at a barrier after each op. The tensors each op writes are
+  // made before the region, so the threads share them (a norm's output on thread 0: assigned before the barrier the
+  // others pass to read it).
   torch::Tensor team_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                              const c10::optional<torch::Tensor>& cos_local, const c10::optional<torch::Tensor>& sin_local,
                              const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const c10::optional<torch::Tensor>& final_norm,
-                             const torch::Tensor& no_rows) {
+                             const torch::Tensor& no_rows, bool split_attention) {
     ++g_team_steps;
     const DecodeLayer& l0 = layers_[0];
     const int64_t B = x.size(0), D = l0.k_cache.size(3), q_size = H_ * D, L = static_cast<int64_t>(layers_.size());
@@ -291,6 +315,8 @@ class DecodeStack {
           quant_linear_bf16_silu(in, m.q, m.qtype, m.out_features(), in.size(1));
         } else if (m.route == kQuantI8) {
           quant_linear_i8(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
+        } else if (m.route == kQuant) {
+          quant_linear(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
         } else {
           quant_linear_bf16(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
         }
@@ -330,9 +356,13 @@ class DecodeStack {
                           slot_mapping, H_, KVH_);
           g_team = {};
           if (!bar.wait()) break;
-          g_team = {t, n, nullptr, &bar, &scratch};  // a split sequence: the partitions' results in scratch
-          paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
-          g_team = {};
+          if (split_attention) {
+            g_team = {t, n, nullptr, &bar, &scratch};  // a split sequence: the partitions' results in scratch
+            paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
+            g_team = {};
+          } else if (t == 0) {  // the portable kernel, whole (see team_applies)
+            paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
+          }
           if (!bar.wait()) break;
           one(l.o, attn_rows, o_out);
           if (!bar.wait()) break;
@@ -374,6 +404,7 @@ class DecodeStack {
   double eps_, scale_;
   bool strict_attention_, gelu_, once_;
   bool team_stack_ = false;        // the stack's part of team_applies (the constructor)
+  bool team_float_ = false;        // some matmul on the float32 route, whose few-rows GEMV takes up to 4 rows
   bool team_mlp_unfused_ = false;  // some layer's MLP is a gate_up matmul, then its SwiGLU / GeGLU (the constructor)
 };
 
