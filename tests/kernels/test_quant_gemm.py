@@ -817,14 +817,18 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
 
 @pytest.mark.usefixtures("threads")
 @pytest.mark.parametrize("arch", ["native", "x86-64-v3"])
-def test_decode_stack_team_on_the_float32_route(arch):
+@pytest.mark.parametrize("route", [7, 9], ids=["float32", "int8"])
+def test_decode_stack_team_on_float32_activations(arch, route):
     """A float32 stack on the float32 quantized route (7: quant_linear's AVX2 GEMV, whose groups split through
-    team_for) runs a step of 1-4 sequences as one team too, with the same bits as a parallel region per op. Native
-    (AVX-512): the fused decode attention splits its tasks in the team; x86-64-v3 (an AVX2-only CPU's build, without
-    that kernel): the portable attention runs whole on thread 0 between the barriers. 5 sequences take the old path
-    (the float32 GEMV's reach is 4 rows, AMX or not). A bad block table raises inside the team as outside it."""
+    team_for) or the int8 activations route (9) runs a step of 1-4 sequences as one team too, with the same bits as a
+    parallel region per op. Native (AVX-512): the fused decode attention splits its tasks in the team; x86-64-v3 (an
+    AVX2-only CPU's build, without that kernel): the portable attention runs whole on thread 0 between the barriers.
+    5 sequences take the old path (4 rows at most with a float32 route, AMX or not; the int8 route: 16 on AMX). A bad
+    block table raises inside the team as outside it."""
     ext = __import__("pagedserve.kernels", fromlist=["x"]).load_extension(arch)
     assert ext is not None
+    if route == 9 and not ext.has_quant_i8():
+        pytest.skip("no int8 route in this build")
     g = torch.Generator().manual_seed(23)
     shapes = {"qkv": ((H + 2 * KVH) * D, HIDDEN), "o": (HIDDEN, H * D), "gate_up": (2 * INTER, HIDDEN),
               "down": (HIDDEN, INTER)}
@@ -835,7 +839,7 @@ def test_decode_stack_team_on_the_float32_route(arch):
         qtype = next(kinds)
         packed = ext.quant_pack(torch.from_numpy(random_blocks(qtype, n, k, seed=seed)), int(qtype))
         bias = torch.randn(n, generator=g) if name == "qkv" else None
-        return ext.MatmulSpec(7, None, bias, packed, int(qtype), n=n)
+        return ext.MatmulSpec(route, None, bias, packed, int(qtype), n=n)
 
     layers = [({name: spec(name, 400 + 10 * i + j) for j, name in enumerate(shapes)}, 8 * i) for i in range(2)]
     norms = [(torch.rand(HIDDEN, generator=g) + 0.5, torch.rand(HIDDEN, generator=g) + 0.5) for _ in layers]
@@ -867,7 +871,8 @@ def test_decode_stack_team_on_the_float32_route(arch):
             ref = run(b, team=False)
             steps = ext.decode_team_steps()
             got = run(b, team=True)
-            team = b <= 4 and nt <= len(os.sched_getaffinity(0))
+            most = 16 if route == 9 and ext.amx_active() else 4
+            team = b <= most and nt <= len(os.sched_getaffinity(0))
             assert ext.decode_team_steps() - steps == (2 if team else 0), (nt, b)
             assert ref[0].dtype == torch.float32 and not torch.equal(ref[0], ref[1])
             assert all(torch.equal(r, o) for r, o in zip(ref, got, strict=True)), (nt, b)
