@@ -356,13 +356,12 @@ class DecodeStack {
                           slot_mapping, H_, KVH_);
           g_team = {};
           if (!bar.wait()) break;
-          if (split_attention) {
-            g_team = {t, n, nullptr, &bar, &scratch};  // a split sequence: the partitions' results in scratch
+          // split: each member's tasks (a split sequence's partitions' results in scratch); else the portable
+          // kernel, whole, on thread 0 (see team_applies)
+          if (split_attention) g_team = {t, n, nullptr, &bar, &scratch};
+          if (split_attention || t == 0)
             paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
-            g_team = {};
-          } else if (t == 0) {  // the portable kernel, whole (see team_applies)
-            paged_decode_attention(q, l.k_cache, l.v_cache, block_tables, seq_lens, no_rows, attn, scale_, l.window);
-          }
+          g_team = {};
           if (!bar.wait()) break;
           one(l.o, attn_rows, o_out);
           if (!bar.wait()) break;
