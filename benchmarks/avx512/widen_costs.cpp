@@ -49,6 +49,16 @@ struct Scales {  // make's magic form: F = 2 + q / 64, fma(F, 64 d, m - 128 d) =
   }
 };
 
+// The 32-k block at k0 of P panels: its bytes and scales.
+template <int P>
+inline void block_start(const uint8_t* panel, int64_t pstride, int64_t k0, const uint8_t** pb, Scales* sc) {
+  UNROLL
+  for (int p = 0; p < P; ++p) {
+    pb[p] = panel + p * pstride + (k0 / 32) * kBlockBytes;
+    sc[p].init(pb[p]);
+  }
+}
+
 inline __m512i byte_idx(int row0, int half) {  // FastPairs::byte_idx
   const auto b = [=](int l) { return static_cast<int>((32 * half + (l % 2) * 16 + row0 + l / 2) * 0x01010101u); };
   return _mm512_set_epi32(b(15), b(14), b(13), b(12), b(11), b(10), b(9), b(8), b(7), b(6), b(5), b(4), b(3), b(2),
@@ -76,11 +86,7 @@ __attribute__((noinline)) void gemv_vpermb(const uint16_t* x, int64_t xs, const 
   for (int64_t k0 = 0; k0 < kK; k0 += 32) {
     const uint8_t* pb[P];
     Scales sc[P];
-    UNROLL
-    for (int p = 0; p < P; ++p) {
-      pb[p] = panel + p * pstride + (k0 / 32) * kBlockBytes;
-      sc[p].init(pb[p]);
-    }
+    block_start<P>(panel, pstride, k0, pb, sc);
     UNROLL
     for (int j = 0; j < 16; j += 2) {
       UNROLL
@@ -126,11 +132,7 @@ __attribute__((noinline)) void gemv_lane(const uint16_t* x, int64_t xs, const ui
   for (int64_t k0 = 0; k0 < kK; k0 += 32) {
     const uint8_t* pb[P];
     Scales sc[P];
-    UNROLL
-    for (int p = 0; p < P; ++p) {
-      pb[p] = panel + p * pstride + (k0 / 32) * kBlockBytes;
-      sc[p].init(pb[p]);
-    }
+    block_start<P>(panel, pstride, k0, pb, sc);
     UNROLL
     for (int half = 0; half < 2; ++half) {
       __m512i A[P], B[P];
