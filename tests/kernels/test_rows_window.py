@@ -84,3 +84,24 @@ def test_bad_window_raises(ext):
     with pytest.raises(RuntimeError, match="window must be >= 0"):
         ext.paged_attention_rows(q, kc, kc, torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]),
                                  torch.tensor([0, 3]), 1.0, -1)
+
+
+@pytest.mark.parametrize("window", [0, 5000], ids=["no-window", "window"])
+def test_float32_rows_past_the_shared_key_budget(ext, window):
+    """The tiled float32 kernel transposes each sequence's keys once per call and shares them among its row tiles,
+    up to 16M floats of transposed keys; past that (here 8 kv heads x 16,400 keys x D 128) each tile transposes its
+    own as before. That route too matches float64 attention and stays a row kernel (a chunk's rows are the bits of
+    the same rows in a longer call)."""
+    KVH, D, S, T = 8, 128, 16400, 20
+    nb = (S + BS - 1) // BS
+    g = torch.Generator().manual_seed(7)
+    kc = torch.randn(nb + 3, BS, KVH, D, generator=g)
+    vc = torch.randn(nb + 3, BS, KVH, D, generator=g)
+    bt = torch.randperm(nb + 3, generator=g)[:nb].view(1, -1).contiguous()
+    q = torch.randn(T, KVH, D, generator=g)
+    lens, qsl = torch.tensor([S]), torch.tensor([0, T])
+    out = ext.paged_attention_rows(q, kc, vc, bt, lens, qsl, D**-0.5, window)
+    err = (out.double() - reference(q, kc, vc, bt, lens, qsl, window or None)).abs()
+    assert err.max() < 1e-5 and err.mean() < 1e-6, err.max().item()
+    tail = ext.paged_attention_rows(q[7:], kc, vc, bt, lens, torch.tensor([0, T - 7]), D**-0.5, window)
+    assert torch.equal(tail, out[7:])

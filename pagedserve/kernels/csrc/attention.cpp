@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -389,6 +390,23 @@ constexpr int64_t kAlignFloats = 16;  // score rows start 64-byte aligned: the s
 // tile sees go through tiles, each row's few extra keys through axpy_step (the same FMA step).
 constexpr int64_t kTileRows = 12;
 
+// Keys j0 .. j0 + n - 1 (n <= 16) of kv head kvh, through a sequence's block table, transposed into kT [D][16]
+// (zeros in the columns past n).
+template <typename S>
+inline void transpose_keys(const S* k_cache, const int64_t* table, int64_t BS, int64_t block_stride, int64_t row,
+                           int64_t kvh, int64_t D, int64_t j0, int64_t n, float* kT) {
+  using fixed::kNR;
+  for (int64_t t = 0; t < kNR; ++t) {
+    const int64_t j = j0 + t;
+    if (t < n) {
+      const S* krow = k_cache + table[j / BS] * block_stride + (j % BS) * row + kvh * D;
+      for (int64_t d = 0; d < D; ++d) kT[d * kNR + t] = Elem<S>::load(krow[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) kT[d * kNR + t] = 0.f;
+    }
+  }
+}
+
 template <typename S>
 void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const int64_t* block_tables,
                        const int64_t* seq_lens, const int64_t* qsl, float* out, int64_t B, int64_t H, int64_t KVH,
@@ -399,6 +417,32 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = qsl[b]; r < qsl[b + 1]; r += kTileRows) items.emplace_back(b, r);
+  // Each sequence's keys transposed once per call, kall + koff[b]: [kvh][16-key chunk][D][16] (zeros past its last
+  // key), shared by all its row tiles (a 1,024-row prompt's 86 tiles each transposed every key they see before:
+  // scalar moves ~ a fifth of the score tiles' work). The same floats in the same kT layout, so the same bits; past a
+  // budget (long contexts) each tile transposes its own keys as before.
+  std::vector<int64_t> nch(B), koff(B + 1, 0), coff(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    nch[b] = (seq_lens[b] + kNR - 1) / kNR;
+    coff[b + 1] = coff[b] + KVH * nch[b];
+    koff[b + 1] = coff[b + 1] * D * kNR;
+  }
+  constexpr int64_t kSharedKFloats = int64_t{16} << 20;  // 64 MB
+  std::unique_ptr<float[]> kall_buf;
+  float* kall = nullptr;
+  if (koff[B] <= kSharedKFloats) {
+    kall_buf.reset(new float[koff[B] + 16]);
+    kall = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kall_buf.get()) + 63) & ~uintptr_t{63});
+    at::parallel_for(0, coff[B], 16, [&](int64_t c0, int64_t c1) {
+      int64_t b = std::upper_bound(coff.begin(), coff.end(), c0) - coff.begin() - 1;
+      for (int64_t c = c0; c < c1; ++c) {
+        while (c >= coff[b + 1]) ++b;
+        const int64_t kvh = (c - coff[b]) / nch[b], j0 = (c - coff[b]) % nch[b] * kNR;
+        const int64_t n = std::min(kNR, seq_lens[b] - j0);
+        transpose_keys(k_cache, block_tables + b * W, BS, block_stride, row, kvh, D, j0, n, kall + c * D * kNR);
+      }
+    });
+  }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sbuf, qbuf, kbuf, abuf, tbuf;
     for (int64_t it = begin; it < end; ++it) {
@@ -422,21 +466,20 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
         for (int64_t i = 0; i < R; ++i)
           std::copy(q + ((r0 + i) * H + kvh * group) * D, q + ((r0 + i) * H + kvh * group + group) * D, qv + i * group * D);
         float* skv = sc + kvh * M * stride;
-        // Scores: kT = the next (up to) 16 keys transposed, [D][16]; every query vector times them.
-        for (int64_t j0 = L_min; j0 < S_max; j0 += kNR) {
+        // Scores: kT = the next (up to) 16 keys transposed, [D][16]; every query vector times them. From the shared
+        // transposition its chunks are the sequence's 16-key chunks (from the one holding L_min: a window's scores
+        // before it are computed and never read); a key of the chunk past S_max gives a score column never copied.
+        for (int64_t j0 = kall ? L_min / kNR * kNR : L_min; j0 < S_max; j0 += kNR) {
           const int64_t n = std::min(kNR, S_max - j0);
-          for (int64_t t = 0; t < kNR; ++t) {
-            const int64_t j = j0 + t;
-            if (t < n) {
-              const S* krow = k_cache + table[j / BS] * block_stride + (j % BS) * row + kvh * D;
-              for (int64_t d = 0; d < D; ++d) kT[d * kNR + t] = Elem<S>::load(krow[d]);
-            } else {
-              for (int64_t d = 0; d < D; ++d) kT[d * kNR + t] = 0.f;
-            }
+          const float* kTc = kT;
+          if (kall) {
+            kTc = kall + (coff[b] + kvh * nch[b] + j0 / kNR) * D * kNR;
+          } else {
+            transpose_keys(k_cache, table, BS, block_stride, row, kvh, D, j0, n, kT);
           }
           for (int64_t m0 = 0; m0 < M; m0 += kMR) {
             const int64_t Rm = std::min(kMR, M - m0);
-            fixed::tile_rows<float, kNR, false>(Rm, qv + m0 * D, D, kT, kNR, D, tmp, kNR);
+            fixed::tile_rows<float, kNR, false>(Rm, qv + m0 * D, D, kTc, kNR, D, tmp, kNR);
             for (int64_t m = 0; m < Rm; ++m)
               for (int64_t t = 0; t < n; ++t) skv[(m0 + m) * stride + j0 + t] = tmp[m * kNR + t] * scale;
           }
