@@ -235,6 +235,16 @@ inline __m256 i8hi(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_
 // dword lanes, then masked or shifted. Two lane-crossing shuffles per 16 rows where u8lo / u8hi of a 16-byte load
 // take three: on Zen 3 (AVX2) the few-rows float32 GEMV is bound by its shuffles, and this form runs Q4_1 / Q4_0 /
 // Q4_K 1.35-1.5x faster at 1 row (the same weights).
+// 1 << b in every dword lane, b < 8 (Q5_0's fifth bits).
+struct Bit8 {
+  alignas(32) int32_t v[8][8];
+  constexpr Bit8() : v() {
+    for (int b = 0; b < 8; ++b)
+      for (int l = 0; l < 8; ++l) v[b][l] = 1 << b;
+  }
+};
+alignas(32) inline constexpr Bit8 kBit8s{};
+inline constexpr const int32_t (&kBit8)[8][8] = kBit8s.v;
 inline __m256 nibbles8(const uint8_t* p, bool hi) {
   const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_cvtepi32_ps(hi ? _mm256_srli_epi32(z, 4) : _mm256_and_si256(z, _mm256_set1_epi32(0x0F)));
@@ -272,6 +282,7 @@ struct Widen {
   const uint8_t* q;  // the quant plane of the sub-block
   const uint8_t* h;  // the high-bit plane (Q5_0, Q5_1, Q5_K, Q6_K)
   int sh, hs;        // nibble shift (K-quants), high-bit shift (Q5_K: bit, Q6_K: shift)
+  alignas(32) int32_t zh[T == kQ5_0 ? 64 : 1];  // Q5_0: qh plane j's 16 rows (bytes j of their qh) as dwords, 16 j
   __m256 a0, a1, b0, b1;  // d (or d * scale), and m (or -8 d, or dmin * min, or Q6_K's second scale)
 
   inline void init(const uint8_t* pb, int s) {
@@ -285,9 +296,14 @@ struct Widen {
     } else if constexpr (T == kQ4_1) {
       halves(pb + 32, b0, b1);
       q = pb + 64;
-    } else if constexpr (T == kQ5_0) {
+    } else if constexpr (T == kQ5_0) {  // -16 d (exact), and the 4 qh planes' rows as dword lanes
+      b0 = _mm256_mul_ps(a0, _mm256_set1_ps(-16.f));
+      b1 = _mm256_mul_ps(a1, _mm256_set1_ps(-16.f));
       h = pb + 32;
       q = pb + 96;
+      for (int j = 0; j < 8; ++j)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(zh + 8 * j),
+                           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + 8 * j))));
     } else if constexpr (T == kQ5_1) {
       halves(pb + 32, b0, b1);
       h = pb + 64;
@@ -332,19 +348,23 @@ struct Widen {
       // -8 d): d q and 8 d are exact, so is their difference, the product the reference rounds.
       w0 = _mm256_fmadd_ps(a0, nibbles8(q + i * 16, HI), b0);
       w1 = _mm256_fmadd_ps(a1, nibbles8(q + i * 16 + 8, HI), b1);
-    } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    } else if constexpr (T == kQ5_0) {
+      // d (q - 16) as fma(nibble, d, c): q's fifth bit (bit k % 8 of row's qh byte k / 8, kept as dwords by init)
+      // chooses c = 0 (set) or -16 d; d * nibble and 16 d are exact, so is the sum, the product the reference rounds.
+      const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(kBit8[k % 8]));
+      const auto high = [&](int r0) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(zh + (k / 8) * 16 + r0));
+        return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(v, m), m));
+      };
+      w0 = _mm256_fmadd_ps(a0, nibbles8(q + i * 16, HI), _mm256_andnot_ps(high(0), b0));
+      w1 = _mm256_fmadd_ps(a1, nibbles8(q + i * 16 + 8, HI), _mm256_andnot_ps(high(8), b1));
+    } else if constexpr (T == kQ5_1) {
       // byte i of a row holds weight i (low nibble) and 16 + i (high); weight k's high bit: bit k of qh
       const __m128i v = ld(q + i * 16);
       __m128i u = HI ? nibble(v, 4) : _mm_and_si128(v, bytes(0x0F));
       u = _mm_or_si128(u, bit4(ld(h + (k / 8) * 16), k % 8));
-      if constexpr (T == kQ5_1) {  // d * q + m
-        w0 = _mm256_add_ps(_mm256_mul_ps(a0, u8lo(u)), b0);
-        w1 = _mm256_add_ps(_mm256_mul_ps(a1, u8hi(u)), b1);
-      } else {  // d * (q - 16): the offset taken in integers
-        u = _mm_sub_epi8(u, bytes(16));
-        w0 = _mm256_mul_ps(a0, i8lo(u));
-        w1 = _mm256_mul_ps(a1, i8hi(u));
-      }
+      w0 = _mm256_add_ps(_mm256_mul_ps(a0, u8lo(u)), b0);  // d * q + m
+      w1 = _mm256_add_ps(_mm256_mul_ps(a1, u8hi(u)), b1);
     } else if constexpr (T == kQ4_K) {  // d * scale * q - dmin * min
       w0 = _mm256_fmsub_ps(a0, nibbles8(q + k * 16, sh != 0), b0);
       w1 = _mm256_fmsub_ps(a1, nibbles8(q + k * 16 + 8, sh != 0), b1);
