@@ -213,29 +213,44 @@ inline __m256 hsum8x8(const __m256* a) {
 // The legacy kernel's passes for D % 8 == 0, the same bits as group_dots and the key-by-key P.V: scores of one head
 // eight keys at a time (eight FMA chains over d, then hsum8x8); P.V of G <= 3 heads of one kv head over 8 * NV of
 // their d, accumulated in registers key by key (the same FMA chain per output as `a[d] += p * v[d]`).
+// The scores of the G query heads of one kv head (q rows at qg, G * D; scores of head g at out + g * S): per 8 keys
+// their row pointers once (one table lookup where the 8 keys share a block, as they do for any block size divisible
+// by 8), then each head's 8 dots while the 8 K rows stay in L1. (Per head and key, the division and lookup cost about
+// as much as the dot products on a Zen 3.)
 template <typename T>
-void legacy_scores(const float* qg, const T* kc, const int64_t* table, int64_t S, int64_t BS, int64_t block_stride,
-                   int64_t row, int64_t D, float scale, float* out, RowStream& ahead, int64_t per) {
+void legacy_scores(const float* qg, int64_t G, const T* kc, const int64_t* table, int64_t S, int64_t BS,
+                   int64_t block_stride, int64_t row, int64_t D, float scale, float* out, RowStream& ahead, int64_t per) {
   const __m256 sv = _mm256_set1_ps(scale);
   int64_t j0 = 0;
   for (; j0 + 8 <= S; j0 += 8) {
-    ahead.step(per);
     const T* kr[8];
-    for (int t = 0; t < 8; ++t) kr[t] = kc + table[(j0 + t) / BS] * block_stride + ((j0 + t) % BS) * row;
-    __m256 a[8];
-    for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(qg + d);
-      for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, load8(kr[t] + d), a[t]);
+    if (BS % 8 == 0) {
+      const T* k0 = kc + table[j0 / BS] * block_stride + (j0 % BS) * row;
+      for (int t = 0; t < 8; ++t) kr[t] = k0 + t * row;
+    } else {
+      for (int t = 0; t < 8; ++t) kr[t] = kc + table[(j0 + t) / BS] * block_stride + ((j0 + t) % BS) * row;
     }
-    _mm256_storeu_ps(out + j0, _mm256_mul_ps(hsum8x8(a), sv));
+    for (int64_t g = 0; g < G; ++g) {
+      ahead.step(per);
+      const float* qh = qg + g * D;
+      __m256 a[8];
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qh + d);
+        for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, load8(kr[t] + d), a[t]);
+      }
+      _mm256_storeu_ps(out + g * S + j0, _mm256_mul_ps(hsum8x8(a), sv));
+    }
   }
   for (; j0 < S; ++j0) {
-    ahead.step(per);
     const T* k = kc + table[j0 / BS] * block_stride + (j0 % BS) * row;
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(k + d), a);
-    out[j0] = hsum8(a) * scale;
+    for (int64_t g = 0; g < G; ++g) {
+      ahead.step(per);
+      const float* qh = qg + g * D;
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
+      out[g * S + j0] = hsum8(a) * scale;
+    }
   }
 }
 
@@ -307,9 +322,9 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
       if (D % 8 == 0) {  // the register passes (legacy_scores, legacy_pv): the loops' bits (groups up to kMaxGroup)
         const int64_t calls = KVH * group * (S / 8 + S % 8) + KVH * ((group + 2) / 3) * ((D + 31) / 32) * S;
         const int64_t per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
-        for (int64_t h = 0; h < H; ++h)
-          legacy_scores(qb + h * D, k_cache + (h / group) * D, table, S, block_size, block_stride, row, D, scale,
-                        scores.data() + h * S, ahead, per);
+        for (int64_t kvh = 0; kvh < KVH; ++kvh)
+          legacy_scores(qb + kvh * group * D, group, k_cache + kvh * D, table, S, block_size, block_stride, row, D,
+                        scale, scores.data() + kvh * group * S, ahead, per);
         mask_skipped(scores.data(), H, S, span.skip);
         for (int64_t h = 0; h < H; ++h) softmax_inplace(scores.data() + h * S, S);
         for (int64_t kvh = 0; kvh < KVH; ++kvh)
