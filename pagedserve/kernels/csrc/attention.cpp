@@ -210,13 +210,13 @@ inline __m256 hsum8x8(const __m256* a) {
                        _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The legacy kernel's passes for D % 8 == 0, the same bits as group_dots and the key-by-key P.V: scores of one head
+// The legacy kernel's passes for D % 8 == 0, the same bits as group_dots and the key-by-key P.V: scores of a head
 // eight keys at a time (eight FMA chains over d, then hsum8x8); P.V of G <= 3 heads of one kv head over 8 * NV of
 // their d, accumulated in registers key by key (the same FMA chain per output as `a[d] += p * v[d]`).
-// The scores of the G query heads of one kv head (q rows at qg, G * D; scores of head g at out + g * S): per 8 keys
+// legacy_scores: the G query heads of one kv head (q rows at qg, G * D; head g's scores at out + g * S), per 8 keys
 // their row pointers once (one table lookup where the 8 keys share a block, as they do for any block size divisible
-// by 8), then each head's 8 dots while the 8 K rows stay in L1. (Per head and key, the division and lookup cost about
-// as much as the dot products on a Zen 3.)
+// by 8), then each head's 8 dots while the 8 K rows stay in L1 (per head and key, a division and a lookup had cost
+// about as much as the dot product on a Zen 3).
 template <typename T>
 void legacy_scores(const float* qg, int64_t G, const T* kc, const int64_t* table, int64_t S, int64_t BS,
                    int64_t block_stride, int64_t row, int64_t D, float scale, float* out, RowStream& ahead, int64_t per) {

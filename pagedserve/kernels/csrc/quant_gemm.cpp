@@ -231,11 +231,7 @@ inline __m256 u8lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v
 inline __m256 u8hi(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))); }
 inline __m256 i8lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 inline __m256 i8hi(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))); }
-// The low (hi false) or high nibbles of 8 rows' bytes at p, as floats: zero-extended straight from memory into
-// dword lanes, then masked or shifted. Two lane-crossing shuffles per 16 rows where u8lo / u8hi of a 16-byte load
-// take three: on Zen 3 (AVX2) the few-rows float32 GEMV is bound by its shuffles, and this form runs Q4_1 / Q4_0 /
-// Q4_K 1.35-1.5x faster at 1 row (the same weights).
-// 1 << b in every dword lane, b < 8 (Q5_0's fifth bits).
+// 1 << b in every dword lane of v[b], b < 8 (Q5_0's fifth bits).
 struct Bit8 {
   alignas(32) int32_t v[8][8];
   constexpr Bit8() : v() {
@@ -243,8 +239,11 @@ struct Bit8 {
       for (int l = 0; l < 8; ++l) v[b][l] = 1 << b;
   }
 };
-alignas(32) inline constexpr Bit8 kBit8s{};
-inline constexpr const int32_t (&kBit8)[8][8] = kBit8s.v;
+inline constexpr Bit8 kBit8{};
+// The low (hi false) or high nibbles of 8 rows' bytes at p, as floats: zero-extended straight from memory into
+// dword lanes, then masked or shifted. Two lane-crossing shuffles per 16 rows where u8lo / u8hi of a 16-byte load
+// take three: on Zen 3 (AVX2) the few-rows float32 GEMV is bound by its shuffles, and this form runs Q4_0 / Q4_1 /
+// Q4_K 1.3-1.45x faster at 1 row (the same weights).
 inline __m256 nibbles8(const uint8_t* p, bool hi) {
   const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_cvtepi32_ps(hi ? _mm256_srli_epi32(z, 4) : _mm256_and_si256(z, _mm256_set1_epi32(0x0F)));
@@ -351,7 +350,7 @@ struct Widen {
     } else if constexpr (T == kQ5_0) {
       // d (q - 16) as fma(nibble, d, c): q's fifth bit (bit k % 8 of row's qh byte k / 8, kept as dwords by init)
       // chooses c = 0 (set) or -16 d; d * nibble and 16 d are exact, so is the sum, the product the reference rounds.
-      const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(kBit8[k % 8]));
+      const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(kBit8.v[k % 8]));
       const auto high = [&](int r0) {
         const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(zh + (k / 8) * 16 + r0));
         return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(v, m), m));
