@@ -18,6 +18,11 @@
 #elif defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// The quantized matmuls' AVX2 kernels (quant_gemm.cpp: the float32 route's GEMV and widening, the int8 route's AVX2
+// form); DecodeStack's team takes the float32 route where they are built.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGEDSERVE_QUANT_AVX2 1
+#endif
 
 namespace pagedserve {
 

@@ -23,6 +23,7 @@
 #include <omp.h>
 #include <sched.h>
 
+#include "common.h"
 #include "ops.h"
 
 namespace pagedserve {
@@ -146,7 +147,7 @@ class DecodeStack {
     // parts) on a quantized route whose few-rows kernel splits through team_for (bf16 or int8 activations; float32
     // activations where the AVX2 GEMV runs them: quant_gemm's few-rows path, gemv_groups). Every layer's cache shaped
     // and typed as the first's, so one check of the attention serves all (team_applies).
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef PAGEDSERVE_QUANT_AVX2
     constexpr bool float_gemv_team = true;
 #else
     constexpr bool float_gemv_team = false;

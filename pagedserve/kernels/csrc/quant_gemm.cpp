@@ -43,10 +43,6 @@
 #include "common.h"
 #include "ops.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PAGEDSERVE_QUANT_AVX2 1
-#endif
 // AMX tiles for quant_linear_bf16 (built only where its vdpbf16ps route is too: see there).
 #include "amx.h"
 #if defined(PAGEDSERVE_QUANT_AVX2) && defined(__AVX512BW__) && defined(PAGEDSERVE_AMX)
