@@ -217,6 +217,8 @@ class MatmulRoutes:
         self.fixed: torch.Tensor | None = None  # the weight packed for the FIXED route
         self.weight_f32: torch.Tensor | None = None  # for the LINEAR_F32 route
         self.float32_out = False
+        # A float32 Q8_0 LM head's column norms for the screened greedy head (CpuKernels.quant_screen_norms).
+        self.screen_norms: torch.Tensor | None = None
         # Set by the loader for GGUF weights read in place (then the module's weight is a meta tensor).
         self.quant: list[QuantPart] | None = None
 
@@ -227,7 +229,7 @@ class MatmulRoutes:
         float32_out: return float32 whatever the weight's dtype (the LM head). batch_invariant: every
         row count on the fixed-order matmul (needs `kernels`)."""
         self.kernels, self.float32_out = kernels, float32_out
-        self.packed = self.fixed = self.weight_f32 = self.gemv = self.qgemv = None
+        self.packed = self.fixed = self.weight_f32 = self.gemv = self.qgemv = self.screen_norms = None
         if self.quant is not None:  # the blocks, at every row count (batch-invariant by construction)
             if kernels is None:
                 raise ValueError("model: quantized weights read in place need the C++ kernels")
@@ -235,6 +237,10 @@ class MatmulRoutes:
             # holds them), on AVX512-BF16's pair dot products; elsewhere with the exact float32 weights.
             bf16 = weight.dtype == torch.bfloat16 and kernels.quant_bf16
             self.few_rows = self.many_rows = Route.QUANT_BF16 if bf16 else Route.QUANT
+            if float32_out and not bf16 and len(self.quant) == 1 and kernels.greedy_screen:
+                p = self.quant[0]
+                norms = kernels.quant_screen_norms(p.packed, p.type_id, p.n, weight.shape[1])
+                self.screen_norms = norms if norms.numel() else None  # (a Q8_0 head with finite scales)
             # Opted in (EngineConfig.int8_activations): a few rows quantize their activations, llama.cpp's way.
             # (Every part's type must be one the build takes: CpuKernels.quant_i8_types.)
             if kernels.quant_i8 and not batch_invariant and all(p.type_id in kernels.quant_i8_types
@@ -318,8 +324,14 @@ class MatmulRoutes:
     def argmax(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """Greedy decoding over this float32-out matmul (an LM head): int64 [rows], each row's first argmax of the
         logits `self(x, ...)` gives (-1 where one is NaN), without writing them; on the QUANT_BF16 route with a single
-        block type (and CpuKernels.greedy_head); None elsewhere."""
+        block type (and CpuKernels.greedy_head), and on the QUANT route for more than GEMV_MAX_ROWS rows of a Q8_0 head
+        without bias (the screened head: CpuKernels.quant_linear_argmax); None elsewhere."""
         route = self.route_for(x)
+        if route == Route.QUANT and self.screen_norms is not None and bias is None and x.shape[0] > GEMV_MAX_ROWS:
+            # (1-4 rows: the GEMV's logits then argmax_rows are faster; bf16 x: quant_linear computes in float32 too)
+            p = self.quant[0]
+            x = x.float() if x.stride(-1) == 1 else x.float().contiguous()
+            return self.kernels.quant_linear_argmax(x, p.packed, p.type_id, p.n, self.screen_norms)
         if route != Route.QUANT_BF16 or not self.float32_out or len(self.quant) != 1 or not self.kernels.greedy_head:
             return None
         p = self.quant[0]

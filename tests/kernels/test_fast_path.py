@@ -56,12 +56,14 @@ def test_bf16_engine_greedy_mostly_matches_float32(llm_fp32):
     assert sum(x[0] == y[0] for x, y in zip(a, b, strict=True)) >= 3  # first tokens agree (almost) always
 
 
-def test_greedy_steps_take_the_heads_argmax_and_the_same_tokens(monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_steps_take_the_heads_argmax_and_the_same_tokens(monkeypatch, dtype):
     """An all-greedy step with nothing to adjust or report asks the model for its rows' argmaxes only: on the bf16
-    GGUF route the LM head hands those over without writing the logits (MatmulRoutes.argmax). The same tokens as
-    the sampler's argmax over the logits, at a step of a few rows (the GEMV) and of 20 (the many-rows kernels on
-    either route); a step with a request asking for logprobs gets its logits."""
-    llm = LLM(dtype="bfloat16", max_num_seqs=32)
+    GGUF route the LM head hands those over without writing the logits (MatmulRoutes.argmax), and on the float32 GGUF
+    route above 4 rows the screened head does (the bundled head is Q8_0). The same tokens as the sampler's argmax
+    over the logits, at a step of a few rows (the GEMV) and of 20 (the many-rows kernels on either route); a step with
+    a request asking for logprobs gets its logits."""
+    llm = LLM(dtype=dtype, max_num_seqs=32)
     runner = llm.engine.runner
     fused: list[int] = []
     real = runner.sampler.from_argmax
@@ -70,9 +72,12 @@ def test_greedy_steps_take_the_heads_argmax_and_the_same_tokens(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     few = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
     many = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    if CpuKernels.build().quant_bf16:  # the bf16 GGUF head (AVX512-BF16); elsewhere the logits as before
+    kernels = CpuKernels.build()
+    if dtype == "bfloat16" and kernels.quant_bf16:  # the bf16 GGUF head (AVX512-BF16)
         assert 2 in fused and 20 in fused
-    else:
+    elif runner.model.tied_head_routes.screen_norms is not None:  # the float32 route's screened head (AVX2)
+        assert kernels.greedy_screen and 2 not in fused and 20 in fused
+    else:  # elsewhere the logits as before
         assert fused == []
     fused.clear()
     monkeypatch.setattr(runner, "only_argmax", lambda out, sampling: False)

@@ -437,6 +437,112 @@ def test_bf16_linear_argmax_is_the_first_argmax_of_its_logits(kernels, threads, 
         assert torch.equal(got[~bad], logits[~bad].argmax(-1))
 
 
+def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its first maximum (argmax_rows' / torch.argmax's over finite logits), -1 with a NaN."""
+    out = logits.nan_to_num(nan=0.0).argmax(-1)
+    return torch.where(logits.isnan().any(-1), torch.full_like(out, -1), out)
+
+
+def _needs_screen(kernels) -> None:
+    if not kernels.greedy_screen or kernels.quant_screen_norms(
+            kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q8_0, 16, 32, seed=1)), int(Q.Q8_0)), int(Q.Q8_0),
+            16, 32).numel() == 0:
+        pytest.skip("no screened greedy head in this build (it needs AVX2 + FMA + F16C)")
+
+
+def test_screen_norms_bound_each_columns_weights(kernels):
+    """quant_screen_norms: column n's sum of |w| over the dequantized Q8_0 weight, rounded up (never below it), zeros
+    past n; empty for another block type and for a weight with a non-finite scale (it cannot be screened)."""
+    _needs_screen(kernels)
+    raw = random_blocks(Q.Q8_0, 1007, 320, seed=61)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(Q.Q8_0))
+    norms = kernels.quant_screen_norms(packed, int(Q.Q8_0), 1007, 320)
+    exact = dequantize(raw, Q.Q8_0).double().abs().sum(-1)
+    assert norms.shape == (1008,) and float(norms[1007]) == 0.0
+    assert bool((norms[:1007].double() >= exact).all())
+    assert torch.allclose(norms[:1007].double(), exact, rtol=1e-6, atol=0)
+    q41 = kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q4_1, 32, 320, seed=62)), int(Q.Q4_1))
+    assert kernels.quant_screen_norms(q41, int(Q.Q4_1), 32, 320).numel() == 0
+    bad = raw[:32].copy()
+    bad[5, 34 * 3 : 34 * 3 + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)  # block 3's d of row 5
+    bad_packed = kernels.quant_pack(torch.from_numpy(bad), int(Q.Q8_0))
+    assert kernels.quant_screen_norms(bad_packed, int(Q.Q8_0), 32, 320).numel() == 0
+
+
+@pytest.mark.usefixtures("threads")
+def test_screened_argmax_is_the_first_argmax_of_quant_linears_logits(kernels):
+    """quant_linear_argmax (the float32 route's greedy LM head over Q8_0): each row's index of the first maximum of the
+    float32 logits quant_linear gives, though only the columns its int16 screen cannot rule out get their exact chain.
+    Random quants (-128 included) with random scales; rows of plain normals, rows with outlier channels (as hidden
+    states have), tiny and huge rows, 1 to 300 rows on 1 or 2 threads. The weight's second half repeats the first, so
+    every maximum is there twice, the later copy in another panel (and thread): the first must win; a partial last
+    panel; a weight of equal rows ties every column (past the candidate cap: every exact logit); columns that differ
+    from another by one quant step where x is tiny (the screen cannot tell them apart, the exact chains can). Rows
+    the screen cannot take (zeros, a NaN, an infinity, 1e30) get every exact logit: -1 for a NaN logit."""
+    _needs_screen(kernels)
+    qt = int(Q.Q8_0)
+    half, k = 1000, 320
+    raw = random_blocks(Q.Q8_0, half, k, seed=63)
+    raw = np.concatenate([raw, raw])
+    n = 2 * half
+    packed = kernels.quant_pack(torch.from_numpy(raw), qt)
+    norms = kernels.quant_screen_norms(packed, qt, n, k)
+    odd = random_blocks(Q.Q8_0, 1007, k, seed=64)
+    odd[1:, :] = odd[:1, :]  # near ties: every row the first, one quant a step away
+    for r in range(1, 1007):
+        b, j = r % 10, 2 + (r * 7) % 32
+        odd[r, b * 34 + j] = np.uint8((int(odd[r, b * 34 + j]) + (1 if r % 2 else 255)) % 256)
+    odd_packed = kernels.quant_pack(torch.from_numpy(odd), qt)
+    odd_norms = kernels.quant_screen_norms(odd_packed, qt, 1007, k)
+    same = kernels.quant_pack(torch.from_numpy(np.repeat(odd[:1], 100, axis=0)), qt)
+    same_norms = kernels.quant_screen_norms(same, qt, 100, k)
+    g = torch.Generator().manual_seed(65)
+    x = torch.randn(300, k, generator=g)
+    x[::3, 17] *= 300.0  # outlier channels
+    x[1::7, 200] *= -2000.0
+    x[2::11] *= 1e-3
+    x[4::13] *= 1e4
+    x[5::17] *= torch.rand(k, generator=g) ** 8  # most of the row near 0
+    for m in (5, 6, 7, 13, 128, 300):
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            logits = kernels.quant_linear(x[:m], packed, qt, n, None, torch.float32)
+            got = kernels.quant_linear_argmax(x[:m], packed, qt, n, norms)
+            assert got.dtype == torch.int64 and torch.equal(got, _first_argmax(logits)), (m, t)
+            assert bool((got < half).all())  # the first copy of each maximum
+            logits = kernels.quant_linear(x[:m], odd_packed, qt, 1007, None, torch.float32)
+            assert torch.equal(kernels.quant_linear_argmax(x[:m], odd_packed, qt, 1007, odd_norms),
+                               _first_argmax(logits)), (m, t)
+            assert not bool(kernels.quant_linear_argmax(x[:m], same, qt, 100, same_norms).any())  # all ties: 0
+    bad = x[:40].clone()
+    bad[3] = 0.0
+    bad[7, 5] = float("nan")
+    bad[11, 9] = float("inf")
+    bad[19, 0] = 1e30
+    bad[23] = 1e-30  # below the screen's range: every exact logit
+    logits = kernels.quant_linear(bad, packed, qt, n, None, torch.float32)
+    got = kernels.quant_linear_argmax(bad, packed, qt, n, norms)
+    assert torch.equal(got, _first_argmax(logits))
+    assert int(got[7]) == -1 and int(got[3]) == 0
+
+
+def test_screened_argmax_bad_arguments_raise(kernels):
+    _needs_screen(kernels)
+    qt = int(Q.Q8_0)
+    packed = kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q8_0, 40, 64, seed=66)), qt)
+    norms = kernels.quant_screen_norms(packed, qt, 40, 64)
+    x = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="norms"):
+        kernels.quant_linear_argmax(x, packed, qt, 40, norms[:40])
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.quant_linear_argmax(x.bfloat16(), packed, qt, 40, norms)
+    with pytest.raises(RuntimeError, match="Q8_0"):
+        kernels.quant_linear_argmax(x, packed, int(Q.Q4_0), 40, norms)
+    with pytest.raises(RuntimeError, match="K"):
+        kernels.quant_linear_argmax(torch.randn(8, 32), packed, qt, 40, norms)
+    assert kernels.quant_linear_argmax(x[:0], packed, qt, 40, norms).shape == (0,)
+
+
 @needs_bf16
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 def test_bf16_linear_in_k_blocks_gives_each_rows_own_bits(kernels, threads, bf16_route):

@@ -76,6 +76,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type_id"), py::arg("n"), py::arg("k"), py::arg("bias"),
         "int64 [M]: each row's first argmax of quant_linear_bf16's float32 logits (-1 where one is NaN), the many-rows "
         "routes never writing the logits (greedy decoding's LM head)");
+  m.def("quant_screen_norms", &pagedserve::quant_screen_norms, py::arg("packed"), py::arg("type_id"), py::arg("n"),
+        py::arg("k"),
+        "float32 [ceil(n / 16) * 16]: each column's sum of |w| over a Q8_0 weight, rounded up, for quant_linear_argmax "
+        "(empty: this weight or build cannot be screened)");
+  m.def("quant_linear_argmax", &pagedserve::quant_linear_argmax, py::arg("x"), py::arg("packed"), py::arg("type_id"),
+        py::arg("n"), py::arg("k"), py::arg("norms"),
+        "int64 [M]: each row's first argmax of quant_linear's float32 logits over a Q8_0 LM head (-1 where one is NaN), "
+        "from an int16 screen with a rigorous bound and the exact chains of the few columns it leaves");
   m.def("quant_linear_bf16_silu", &pagedserve::quant_linear_bf16_silu, py::arg("x"), py::arg("packed"),
         py::arg("type_id"), py::arg("n"), py::arg("k"),
         "silu(gate) * up of quant_linear_bf16 over W = [gate; up] (n = 2 I, I % 16 == 0), bf16 [M, I]: the bits of "

@@ -55,6 +55,9 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
                                 c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype);
 torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
                                        int64_t K, c10::optional<torch::Tensor> bias);
+torch::Tensor quant_screen_norms(std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K);
+torch::Tensor quant_linear_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
+                                  int64_t K, torch::Tensor norms);
 torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
                                      int64_t K);
 bool has_quant_i8();

@@ -760,6 +760,242 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
   });
 }
 
+// ---- the screened greedy head (float32 route, Q8_0 weights, AVX2): quant_linear_argmax -------------------------------
+//
+// Greedy decoding needs each row's argmax of its logits y = x @ W.T, not the logits themselves, and a column can be
+// ruled out without its exact chain. A screen in integers, cheaper than the float32 FMA chains (vpmaddwd: 16
+// multiply-adds per instruction against an FMA's 8; on a Zen 3 the pair below runs 1.5-1.6x the FMA rate), bounds
+// every logit; only the few columns that can hold a row's maximum get their exact chain:
+//   - x's row to int16 with one scale: qx = round(x * 32767 / max|x|), sx = max|x| / 32767;
+//   - per 32-k block b, the integer dot I_b = sum qx_k q_k against the block's Q8_0 quants (exact in int32: |I_b| <=
+//     32 * 32767 * 128 < 2^31), then s = sx * sum_b d_b I_b in float32;
+//   - |s - y| <= B = coef(row) * norm(column), norm = sum_k |w_k| (quant_screen_norms: rounded up, once per weight),
+//     coef = 1.02 (0.51 sx + 1.01 (K + nb + 5) 2^-24 max|x|): half a step of x's rounding (plus the scale's two
+//     roundings, < 0.01 sx), y's own float32 chain (K roundings, each within 2^-24 of a partial sum bounded by
+//     max|x| norm), s's conversions, nb FMAs and product; the 1.02 covers B's own roundings and the comparisons;
+//   - a column whose s + B is below some column's s - B cannot hold the row's maximum (its y is below that column's).
+//     The others, the candidates (SmolLM2's W1 rows: 1 per row at the median, at most 2 in 49 checked), get their
+//     panel's exact chains (gemv_panels: the bits of quant_gemm at every M), and the first largest of those is the
+//     row's argmax: the index argmax_rows finds in quant_linear's logits.
+// A row with a non-finite x, max|x| outside [2^-60, 2^64) or more than N / 8 candidates gets every exact logit instead
+// (a NaN among them gives -1, as RowArgmax's rows do).
+#ifdef PAGEDSERVE_QUANT_AVX2
+constexpr int64_t kScreenTile = 6;               // rows per screen tile (12 int32 accumulators)
+constexpr int64_t kQ8Block = 16 * 34;            // a packed Q8_0 block of 16 rows: 16 halves d, 32 planes of 16 quants
+constexpr uint32_t kScreenMaxBits = 0x5f800000;  // 2^64
+constexpr uint32_t kScreenMinBits = 0x21800000;  // 2^-60
+
+// One Q8_0 panel's quants as int16 pairs for vpmaddwd: wb[(b * 16 + j) * 32 + 2 r + h] = q of row r at k = 32 b + 2 j + h
+// (rows 0-7, then 8-15: one vector each), the two quant planes of a k pair interleaved and sign-extended.
+inline void widen_q8_pairs(const uint8_t* panel, int64_t nb, int16_t* wb) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + b * kQ8Block;
+    for (int j = 0; j < 16; ++j) {
+      const __m128i lo = ld(pb + 32 + 32 * j), hi = ld(pb + 48 + 32 * j);
+      int16_t* o = wb + (b * 16 + j) * 32;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o), _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(lo, hi)));
+    }
+  }
+}
+
+// s[r * 16 + j] = sum_b d_b[j] I_b[r][j] for R rows of int16 x (row stride xs, from block 0) against one Q8_0 panel
+// (its scales at `panel`, its quants widened by widen_q8_pairs into wb): per k pair and row, x's pair broadcast and one
+// vpmaddwd per 8 columns. The step is written in asm so that each row's broadcast lives only through its two products:
+// GCC 12 hoisted the 6 rows' broadcasts above them, and 6 + 2 + 12 accumulators left it storing and reloading most
+// accumulators at every k pair (the screen then ran no faster than the float32 FMA chains).
+// One k pair of one row: c0 / c1 (columns 0-7 / 8-15) += x's pair at xp times the widened quants w[0] / w[1].
+#define PAGEDSERVE_SCREEN_STEP(c0, c1, xp)                                                                     \
+  asm("vpbroadcastd %[x], %[a]\n\t"                                                                            \
+      "vpmaddwd %[w0], %[a], %[t]\n\t"                                                                         \
+      "vpaddd %[t], %[s0], %[s0]\n\t"                                                                          \
+      "vpmaddwd %[w1], %[a], %[a]\n\t"                                                                         \
+      "vpaddd %[a], %[s1], %[s1]"                                                                              \
+      : [s0] "+x"(c0), [s1] "+x"(c1), [a] "=&x"(a), [t] "=&x"(t)                                               \
+      : [x] "m"(*reinterpret_cast<const int32_t*>(xp)), [w0] "m"(w[0]), [w1] "m"(w[1]))
+
+template <int R>
+inline void screen_tile(const int16_t* qx, int64_t xs, const int16_t* wb, const uint8_t* panel, int64_t nb, float* s) {
+  static_assert(R >= 1 && R <= 6);
+  for (int64_t i = 0; i < R * 16; ++i) s[i] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int16_t* xb = qx + b * 32;
+    // Named accumulators (an array of them stayed in memory, loaded and stored around every step).
+    __m256i p0 = _mm256_setzero_si256(), q0 = p0, p1 = p0, q1 = p0, p2 = p0, q2 = p0, p3 = p0, q3 = p0, p4 = p0,
+            q4 = p0, p5 = p0, q5 = p0;
+#pragma GCC unroll 2
+    for (int j = 0; j < 16; ++j) {
+      const __m256i* w = reinterpret_cast<const __m256i*>(wb + (b * 16 + j) * 32);
+      const int16_t* xp = xb + 2 * j;
+      __m256i a, t;
+      PAGEDSERVE_SCREEN_STEP(p0, q0, xp);
+      if constexpr (R > 1) PAGEDSERVE_SCREEN_STEP(p1, q1, xp + xs);
+      if constexpr (R > 2) PAGEDSERVE_SCREEN_STEP(p2, q2, xp + 2 * xs);
+      if constexpr (R > 3) PAGEDSERVE_SCREEN_STEP(p3, q3, xp + 3 * xs);
+      if constexpr (R > 4) PAGEDSERVE_SCREEN_STEP(p4, q4, xp + 4 * xs);
+      if constexpr (R > 5) PAGEDSERVE_SCREEN_STEP(p5, q5, xp + 5 * xs);
+    }
+    __m256 d0, d1;
+    halves(panel + b * kQ8Block, d0, d1);
+    const __m256i ps[6] = {p0, p1, p2, p3, p4, p5}, qs[6] = {q0, q1, q2, q3, q4, q5};
+    PAGEDSERVE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ps[r]), d0, _mm256_loadu_ps(s + r * 16)));
+      _mm256_storeu_ps(s + r * 16 + 8,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(qs[r]), d1, _mm256_loadu_ps(s + r * 16 + 8)));
+    }
+    // The float sums stay in memory (kept in registers across the blocks, they would take the accumulators' place).
+    asm volatile("" : : "r"(s) : "memory");
+  }
+}
+#undef PAGEDSERVE_SCREEN_STEP
+
+inline void screen_rows(int64_t R, const int16_t* qx, int64_t xs, const int16_t* wb, const uint8_t* panel, int64_t nb,
+                        float* s) {
+  switch (R) {
+    case 1: screen_tile<1>(qx, xs, wb, panel, nb, s); break;
+    case 2: screen_tile<2>(qx, xs, wb, panel, nb, s); break;
+    case 3: screen_tile<3>(qx, xs, wb, panel, nb, s); break;
+    case 4: screen_tile<4>(qx, xs, wb, panel, nb, s); break;
+    case 5: screen_tile<5>(qx, xs, wb, panel, nb, s); break;
+    default: screen_tile<6>(qx, xs, wb, panel, nb, s); break;
+  }
+}
+
+inline bool nan_bits(float v) {  // -ffast-math lets the compiler assume v == v
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return (b & 0x7fffffffu) > 0x7f800000u;
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// int64 [M]: each row's first argmax of quant_gemm's float32 logits over a Q8_0 weight (no bias), -1 where one is NaN
+// (only a row that takes every exact logit can have one). norms: quant_screen_norms' [panels * 16].
+void screened_argmax(const float* x, int64_t xs, const uint8_t* w, const float* norms, int64_t M, int64_t N,
+                     int64_t K, int64_t* out) {
+  const int64_t nb = K / 32, panels = (N + 15) / 16, pstride = nb * kQ8Block, qs = K + 16;
+  std::vector<int16_t> qbuf(M * qs);
+  std::vector<float> sx(M, 0.f), coef(M, 0.f);
+  std::vector<uint8_t> full(M, 0);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = x + m * xs;
+      uint32_t top = 0;  // max |x| as bits (a NaN or infinity above every finite value)
+      for (int64_t k = 0; k < K; ++k) {
+        uint32_t bits;
+        std::memcpy(&bits, xr + k, 4);
+        top = std::max(top, bits & 0x7fffffffu);
+      }
+      int16_t* q = qbuf.data() + m * qs;
+      if (top < kScreenMinBits || top >= kScreenMaxBits) {
+        full[m] = 1;
+        std::fill(q, q + K, int16_t{0});
+        continue;
+      }
+      float xmax;
+      std::memcpy(&xmax, &top, 4);
+      const float inv = 32767.f / xmax;
+      for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::lrint(xr[k] * inv));  // |.| <= 32767
+      sx[m] = xmax / 32767.f;
+      coef[m] = 1.02f * (0.51f * sx[m] + 1.01f * static_cast<float>(K + nb + 5) * 0x1p-24f * xmax);
+    }
+  });
+  // The screen: threads split the panels; each keeps per row the largest s - B so far (lower) and the columns whose
+  // s + B reached it when they were screened (a superset of those reaching the final lower, which only grows).
+  const int64_t threads = at::get_num_threads(), cap = std::max<int64_t>(64, N / 8);
+  std::vector<float> lower(threads * M, -std::numeric_limits<float>::infinity());
+  std::vector<std::vector<std::pair<int32_t, float>>> cand(threads * M);
+  std::vector<uint8_t> over(threads * M, 0);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t t = at::get_thread_num();
+    alignas(32) float s[kScreenTile * 16], up[16];
+    std::vector<int16_t> wbuf;
+    int16_t* wb = align64(wbuf, nb * 512);
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m256 iota0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * 16;
+      const __m256 live = _mm256_set1_ps(static_cast<float>(std::min<int64_t>(16, N - n0)));
+      const __m256 ok0 = _mm256_cmp_ps(iota0, live, _CMP_LT_OQ), ok1 = _mm256_cmp_ps(iota1, live, _CMP_LT_OQ);
+      const __m256 nv0 = _mm256_loadu_ps(norms + n0), nv1 = _mm256_loadu_ps(norms + n0 + 8);
+      widen_q8_pairs(w + p * pstride, nb, wb);
+      for (int64_t r0 = 0; r0 < M; r0 += kScreenTile) {
+        const int64_t R = std::min(kScreenTile, M - r0);
+        screen_rows(R, qbuf.data() + r0 * qs, qs, wb, w + p * pstride, nb, s);
+        for (int64_t i = 0; i < R; ++i) {
+          const int64_t m = r0 + i, at = t * M + m;
+          if (full[m] || over[at]) continue;
+          const __m256 sv = _mm256_set1_ps(sx[m]), cv = _mm256_set1_ps(coef[m]);
+          const __m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(s + i * 16), sv);
+          const __m256 v1 = _mm256_mul_ps(_mm256_loadu_ps(s + i * 16 + 8), sv);
+          const __m256 b0 = _mm256_mul_ps(nv0, cv), b1 = _mm256_mul_ps(nv1, cv);
+          const __m256 u0 = _mm256_blendv_ps(ninf, _mm256_add_ps(v0, b0), ok0);
+          const __m256 u1 = _mm256_blendv_ps(ninf, _mm256_add_ps(v1, b1), ok1);
+          const __m256 l0 = _mm256_blendv_ps(ninf, _mm256_sub_ps(v0, b0), ok0);
+          const __m256 l1 = _mm256_blendv_ps(ninf, _mm256_sub_ps(v1, b1), ok1);
+          lower[at] = std::max(lower[at], hmax8(_mm256_max_ps(l0, l1)));
+          const __m256 lv = _mm256_set1_ps(lower[at]);
+          uint32_t bits = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(u0, lv, _CMP_GE_OQ))) |
+                          static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(u1, lv, _CMP_GE_OQ))) << 8;
+          if (!bits) continue;
+          _mm256_store_ps(up, u0);
+          _mm256_store_ps(up + 8, u1);
+          auto& c = cand[at];
+          for (; bits; bits &= bits - 1) {
+            const int j = __builtin_ctz(bits);
+            c.emplace_back(static_cast<int32_t>(n0 + j), up[j]);
+          }
+          if (static_cast<int64_t>(c.size()) > cap) over[at] = 1;
+        }
+      }
+    }
+  });
+  // Per row: the candidates' panels (or all), their exact chains, the first largest.
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    alignas(32) float acc[16];
+    std::vector<int64_t> pan;
+    for (int64_t m = m0; m < m1; ++m) {
+      bool all = full[m];
+      float lo = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < threads; ++t) {
+        all = all || over[t * M + m];
+        lo = std::max(lo, lower[t * M + m]);
+      }
+      pan.clear();
+      if (all) {
+        for (int64_t p = 0; p < panels; ++p) pan.push_back(p);
+      } else {
+        for (int64_t t = 0; t < threads; ++t)
+          for (const auto& [c, u] : cand[t * M + m])
+            if (u >= lo) pan.push_back(c / 16);
+        std::sort(pan.begin(), pan.end());
+        pan.erase(std::unique(pan.begin(), pan.end()), pan.end());
+      }
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t col = 0;
+      bool nan = false;
+      for (const int64_t p : pan) {
+        gemv_panels<kQ8_0, 1, 1>(x + m * xs, xs, w + p * pstride, pstride, K, acc);
+        for (int64_t j = 0; j < std::min<int64_t>(16, N - p * 16); ++j) {
+          nan = nan || nan_bits(acc[j]);
+          if (acc[j] > best) {
+            best = acc[j];
+            col = p * 16 + j;
+          }
+        }
+      }
+      out[m] = nan ? -1 : col;
+    }
+  });
+}
+#endif
+
 // set_amx's switch (amx_active below says whether the AMX routes run).
 std::atomic<bool> g_amx_on{true};
 
@@ -2728,6 +2964,75 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
   TORCH_CHECK(false, "quant_linear_bf16_argmax: this build has no AVX512-BF16");
   return torch::Tensor();
 #endif
+}
+
+// The screened greedy head's column norms: float32 [ceil(N / 16) * 16], column n's sum_k |w_nk| over the dequantized
+// Q8_0 weight, rounded up (zeros past N); an empty tensor where this weight cannot be screened (another type, a
+// non-finite scale d, or a build without AVX2). Once per weight, for quant_linear_argmax.
+torch::Tensor quant_screen_norms(std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K) {
+  using namespace quant_detail;
+  const QuantType& t = checked_type(type, "quant_screen_norms");
+  int64_t pk, panels;
+  const torch::Tensor& p = checked_packed(packed, t, "quant_screen_norms", pk, panels);
+  TORCH_CHECK(pk == K && N >= 1 && panels == (N + 15) / 16, "quant_screen_norms: N / K do not match the packed weight");
+#ifdef PAGEDSERVE_QUANT_AVX2
+  if (type != kQ8_0) return torch::empty({0}, torch::kFloat32);
+  auto out = torch::zeros({panels * 16}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = p.data_ptr<uint8_t>();
+  const int64_t nb = K / 32;
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, panels, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t pi = p0; pi < p1; ++pi) {
+      for (int64_t r = 0; r < 16 && pi * 16 + r < N; ++r) {
+        double sum = 0;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* pb = w + (pi * nb + b) * kQ8Block;
+          uint16_t h;
+          std::memcpy(&h, pb + 2 * r, 2);
+          if (((h >> 10) & 0x1Fu) == 0x1Fu) finite = false;  // an fp16 infinity or NaN (bits: -ffast-math)
+          const double d = half_to_float(pb + 2 * r);
+          int64_t qsum = 0;
+          for (int64_t k = 0; k < 32; ++k) qsum += std::abs(static_cast<int>(static_cast<int8_t>(pb[32 + 16 * k + r])));
+          sum += std::fabs(d) * static_cast<double>(qsum);
+        }
+        float f = static_cast<float>(sum);
+        if (static_cast<double>(f) < sum) f = std::nextafter(f, std::numeric_limits<float>::max());
+        o[pi * 16 + r] = f;
+      }
+    }
+  });
+  if (!finite) return torch::empty({0}, torch::kFloat32);
+  return out;
+#else
+  (void)p;
+  return torch::empty({0}, torch::kFloat32);
+#endif
+}
+
+// Greedy decoding over quant_linear (float32 x, a Q8_0 LM head, no bias): int64 [M], each row's index of the first
+// maximum of its float32 logits quant_linear(x, ...) (argmax_rows' index), or -1 where one is NaN, from the screen
+// above: the logits are never written, and only the columns that can hold a row's maximum get their exact chain.
+// norms: quant_screen_norms(packed, ...) (non-empty).
+torch::Tensor quant_linear_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
+                                  int64_t K, torch::Tensor norms) {
+  using namespace quant_detail;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "quant_linear_argmax: x must be float32");
+  TORCH_CHECK(type == kQ8_0, "quant_linear_argmax: the weight must be Q8_0");
+  const torch::Tensor& p = checked_linear(x, packed, type, N, K, torch::kFloat32, "quant_linear_argmax");
+  TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.dim() == 1 && norms.is_contiguous() &&
+                  norms.size(0) == p.size(0) * 16,
+              "quant_linear_argmax: norms must be quant_screen_norms' float32 [ceil(n / 16) * 16] of this weight");
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M}, torch::kInt64);
+  if (M == 0) return out;
+#ifdef PAGEDSERVE_QUANT_AVX2
+  screened_argmax(x.data_ptr<float>(), x.stride(0), p.data_ptr<uint8_t>(), norms.data_ptr<float>(), M, N, K,
+                  out.data_ptr<int64_t>());
+#else
+  TORCH_CHECK(false, "quant_linear_argmax: this build has no AVX2 + FMA + F16C");
+#endif
+  return out;
 }
 
 // SwiGLU over quant_linear_bf16: silu(gate) * up of y = x @ Wb.T, W = [gate; up] (N = 2 I rows, I % 16 == 0, no
