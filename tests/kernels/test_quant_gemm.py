@@ -122,6 +122,26 @@ def test_linear_is_fixed_linear_over_the_dequantized_weight(kernels, qtype):
     check_linear(kernels, qtype, raw, (1, 2, 3, 4, 5, 6, 7, 16, 53, 64, 300), seed=4)
 
 
+@pytest.mark.usefixtures("threads")
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_linear_of_many_row_blocks_widens_each_panel_once_with_the_same_bits(kernels, qtype):
+    """Past 8 row blocks (48 rows each at K >= 1,366) the many-rows route widens each panel whole once per call (into
+    a buffer of the calling thread) instead of once per row block: the same bits as fixed_linear and as fewer rows
+    (which widen per block), on 1 and 2 threads, twice in a row (the buffer reused), with a tail k slice for the
+    32-blocks (K = 1,600 = 6 x 256 + 64)."""
+    k = 1792 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 1600
+    n = 37
+    raw = random_blocks(qtype, n, k, seed=9)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    fixed = kernels.fixed_pack(dequantize(raw, qtype))
+    x = torch.randn(400, k, generator=torch.Generator().manual_seed(10))
+    ref = kernels.fixed_linear(x, fixed, n, None, torch.float32)
+    for t in (1, 2, 2):
+        torch.set_num_threads(t)
+        assert torch.equal(kernels.quant_linear(x, packed, int(qtype), n, None, torch.float32), ref), t
+    assert torch.equal(kernels.quant_linear(x[390:], packed, int(qtype), n, None, torch.float32), ref[390:])
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
 def test_linear_on_blocks_gguf_py_quantized(kernels, qtype):
     g = torch.Generator().manual_seed(5)
