@@ -820,12 +820,10 @@ inline void widen_q8_pairs(const uint8_t* panel, int64_t nb, int16_t* wb) {
   }
 }
 
-// s[r * 16 + j] = sum_b d_b[j] I_b[r][j] for R rows of int16 x (row stride xs, from block 0) against one Q8_0 panel
-// (its scales at `panel`, its quants widened by widen_q8_pairs into wb): per k pair and row, x's pair broadcast and one
-// vpmaddwd per 8 columns. The step is written in asm so that each row's broadcast lives only through its two products:
-// GCC 12 hoisted the 6 rows' broadcasts above them, and 6 + 2 + 12 accumulators left it storing and reloading most
-// accumulators at every k pair (the screen then ran no faster than the float32 FMA chains).
-// One k pair of one row: c0 / c1 (columns 0-7 / 8-15) += x's pair at xp times the widened quants w[0] / w[1].
+// One k pair of one row: c0 / c1 (columns 0-7 / 8-15) += x's pair at xp times the widened quants w[0] / w[1]. In asm
+// so that each row's broadcast lives only through its two products: GCC 12 hoisted the 6 rows' broadcasts above them,
+// and 6 + 2 + 12 live vectors left it storing and reloading most accumulators at every k pair (the screen then ran no
+// faster than the float32 FMA chains).
 #define PAGEDSERVE_SCREEN_STEP(c0, c1, xp)                                                                     \
   asm("vpbroadcastd %[x], %[a]\n\t"                                                                            \
       "vpmaddwd %[w0], %[a], %[t]\n\t"                                                                         \
@@ -835,6 +833,9 @@ inline void widen_q8_pairs(const uint8_t* panel, int64_t nb, int16_t* wb) {
       : [s0] "+x"(c0), [s1] "+x"(c1), [a] "=&x"(a), [t] "=&x"(t)                                               \
       : [x] "m"(*reinterpret_cast<const int32_t*>(xp)), [w0] "m"(w[0]), [w1] "m"(w[1]))
 
+// s[r * 16 + j] = sum_b d_b[j] I_b[r][j] for R rows of int16 x (row stride xs, from block 0) against one Q8_0 panel
+// (its scales at `panel`, its quants widened by widen_q8_pairs into wb): per k pair and row, x's pair broadcast and one
+// vpmaddwd per 8 columns.
 template <int R>
 inline void screen_tile(const int16_t* qx, int64_t xs, const int16_t* wb, const uint8_t* panel, int64_t nb, float* s) {
   static_assert(R >= 1 && R <= 6);
