@@ -48,9 +48,6 @@ class CpuKernels:
     # quant_linear_bf16_argmax: greedy decoding's head without its logits (with quant_bf16; an extension built from
     # an older commit, as benchmarks/ab_builds.py may load, lacks it and the head writes logits as before).
     greedy_head: bool = False
-    # quant_linear_argmax: the float32 route's screened greedy head over a Q8_0 LM head (where quant_screen_norms gives
-    # norms: AVX2 + FMA + F16C builds).
-    greedy_screen: bool = False
     # quant_linear_i8 for 1-4 rows over GGUF blocks: activations quantized to int8 per 32 (llama.cpp's numerics; built
     # with AVX2 -- AVX512-VNNI + VBMI kernels or AVX2 ones, the same bits -- and asked for:
     # EngineConfig.int8_activations), for the ggml types of quant_i8_types (every type read in place:
@@ -82,7 +79,6 @@ class CpuKernels:
             quant_types=frozenset(ext.quant_types()),
             quant_bf16=ext.has_quant_bf16(),
             greedy_head=ext.has_quant_bf16() and hasattr(ext, "quant_linear_bf16_argmax"),
-            greedy_screen=hasattr(ext, "quant_linear_argmax"),
             quant_i8=int8_activations and ext.has_quant_i8(),
             quant_i8_types=frozenset(ext.quant_i8_types()),
             arena=huge_pages.Arena() if use_huge_pages else None,
@@ -231,7 +227,7 @@ class CpuKernels:
         """Greedy decoding over a float32 Q8_0 LM head without bias: int64 [M], each row's first argmax of
         quant_linear's float32 logits (-1 where one is NaN), never writing them: an int16 screen bounds every logit
         (a rigorous bound per row and column), and only the columns that can hold a row's maximum get their exact
-        FMA chain (needs `greedy_screen` and norms = quant_screen_norms of this weight)."""
+        FMA chain (norms: quant_screen_norms of this weight, non-empty)."""
         return self.ext.quant_linear_argmax(x, packed, type_id, n, x.shape[-1], norms)
 
     def quant_linear_bf16_silu(self, x, packed, type_id: int, n: int):

@@ -237,7 +237,7 @@ class MatmulRoutes:
             # holds them), on AVX512-BF16's pair dot products; elsewhere with the exact float32 weights.
             bf16 = weight.dtype == torch.bfloat16 and kernels.quant_bf16
             self.few_rows = self.many_rows = Route.QUANT_BF16 if bf16 else Route.QUANT
-            if float32_out and not bf16 and len(self.quant) == 1 and kernels.greedy_screen:
+            if float32_out and not bf16 and len(self.quant) == 1:
                 p = self.quant[0]
                 norms = kernels.quant_screen_norms(p.packed, p.type_id, p.n, weight.shape[1])
                 self.screen_norms = norms if norms.numel() else None  # (a Q8_0 head with finite scales)
@@ -330,7 +330,9 @@ class MatmulRoutes:
         if route == Route.QUANT and self.screen_norms is not None and bias is None and x.shape[0] > GEMV_MAX_ROWS:
             # (1-4 rows: the GEMV's logits then argmax_rows are faster; bf16 x: quant_linear computes in float32 too)
             p = self.quant[0]
-            x = x.float() if x.stride(-1) == 1 else x.float().contiguous()
+            x = x.float()
+            if x.stride(-1) != 1:
+                x = x.contiguous()
             return self.kernels.quant_linear_argmax(x, p.packed, p.type_id, p.n, self.screen_norms)
         if route != Route.QUANT_BF16 or not self.float32_out or len(self.quant) != 1 or not self.kernels.greedy_head:
             return None

@@ -75,10 +75,15 @@ def test_greedy_steps_take_the_heads_argmax_and_the_same_tokens(monkeypatch, dty
     kernels = CpuKernels.build()
     if dtype == "bfloat16" and kernels.quant_bf16:  # the bf16 GGUF head (AVX512-BF16)
         assert 2 in fused and 20 in fused
-    elif runner.model.tied_head_routes.screen_norms is not None:  # the float32 route's screened head (AVX2)
-        assert kernels.greedy_screen and 2 not in fused and 20 in fused
-    else:  # elsewhere the logits as before
-        assert fused == []
+    else:
+        # The float32 route screens the Q8_0 head wherever the AVX2 + FMA + F16C kernels are built (has_quant_i8 is
+        # built under the same condition); elsewhere the logits as before.
+        screened = runner.model.tied_head_routes.screen_norms is not None
+        assert screened == kernels.ext.has_quant_i8()
+        if screened:
+            assert 2 not in fused and 20 in fused
+        else:
+            assert fused == []
     fused.clear()
     monkeypatch.setattr(runner, "only_argmax", lambda out, sampling: False)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == few

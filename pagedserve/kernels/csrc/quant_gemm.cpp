@@ -802,7 +802,8 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
 // (a NaN among them gives -1, as RowArgmax's rows do).
 #ifdef PAGEDSERVE_QUANT_AVX2
 constexpr int64_t kScreenTile = 6;               // rows per screen tile (12 int32 accumulators)
-constexpr int64_t kQ8Block = 16 * 34;            // a packed Q8_0 block of 16 rows: 16 halves d, 32 planes of 16 quants
+constexpr int64_t kQ8Block = 16 * quant_type(kQ8_0).block_bytes;  // a packed Q8_0 block of 16 rows: 16 halves d,
+                                                                  // then 32 planes of 16 quants
 constexpr uint32_t kScreenMaxBits = 0x5f800000;  // 2^64
 constexpr uint32_t kScreenMinBits = 0x21800000;  // 2^-60
 
