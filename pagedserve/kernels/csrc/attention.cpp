@@ -86,7 +86,7 @@ inline void mask_skipped(float* sc, int64_t n, int64_t S, int64_t skip) {
 // (benchmarks/decode_attention_ab.py), where prefetching a fixed distance ahead inside each task (kept in flight by
 // too few line-fill buffers) overlapped little of the memory with the compute. A thread's first pair is not asked for ahead (`cold`): its passes prefetch their own rows a fixed
 // distance ahead (prefetch_ahead), which overlaps better where a thread has a single pair (one sequence's decode).
-// The AVX2 kernel (legacy::decode_kernel) streams the next sequence's rows the same way.
+// The AVX2 kernel (legacy::decode_kernel) streams its next task's rows (a sequence's, of one kv head) the same way.
 struct RowStream {
   bool cold = true;
   const char* kc = nullptr;
@@ -167,6 +167,8 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 constexpr int64_t kMaxGroup = 8;
+// Head sizes decode_kernel's AVX2 passes take (its route; the decode team's check, decode_attention_in_team).
+inline bool decode_heads_take(int64_t D) { return D % 8 == 0; }
 #endif
 
 // scores[g * S + j] = q_g · k_j for every query head g of the group: the K row is loaded once for all
@@ -264,7 +266,7 @@ void legacy_pv(const float* p, int64_t S, const T* vc, const int64_t* table, int
     const T* base = vc + table[j0 / BS] * block_stride;
     const int64_t n = std::min(BS, S - j0);
     for (int64_t t = 0; t < n; ++t) {
-      ahead.step(per);
+      if (t % 4 == 0) ahead.step(std::min<int64_t>(4, n - t) * per);
       __m256 v[NV];
       for (int c = 0; c < NV; ++c) v[c] = load8(base + t * row + 8 * c);
       for (int g = 0; g < G; ++g) {
@@ -289,62 +291,95 @@ void legacy_pv_g(int nv, const float* p, int64_t S, const T* vc, const int64_t* 
 }
 #endif
 
+// q: rows of H * D float32 (row r at q + r * q_stride; sequence b's is rows[b], or b where rows is null), out: the same
+// rows of [T, H, D].
 template <typename T>
-void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                   int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const T* k_cache, const T* v_cache,
+                   const int64_t* block_tables, const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t KVH,
+                   int64_t D, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
   const int64_t group = H / KVH;
   const int64_t row = KVH * D;              // elements per token slot in a block
   const int64_t block_stride = block_size * row;
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
+  auto span_of = [&](int64_t b) {
+    return window_span(block_tables + b * max_blocks, seq_lens[b], block_size, window);
+  };
+#ifdef __AVX2__
+  if (decode_heads_take(D)) {
+    // The register passes (legacy_scores, legacy_pv). Tasks are (sequence, kv head) pairs in order, split between the
+    // threads (team_for: a decode team's member runs its share; at a step of one sequence its kv heads split). A thread
+    // streams the next sequence's rows (of the kv heads it attends there) into L2 while it attends this one's
+    // (RowStream: steps spread over the passes of its tasks, what is left asked for when the next sequence starts).
+    const int64_t eb = D * static_cast<int64_t>(sizeof(T));
+    team_for(B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      RowStream ahead;
+      int64_t per = 1;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / KVH, kvh = item % KVH, G = group;
+        const WindowSpan span = span_of(b);
+        const int64_t S = span.S;
+        if (item == begin || kvh == 0) {  // a new sequence: stream the next one's rows (of its tasks here)
+          ahead.finish();
+          const int64_t next0 = (b + 1) * KVH, next1 = std::min(end, next0 + KVH);
+          if (next0 < end) {
+            const WindowSpan next = span_of(b + 1);
+            ahead.start(k_cache, v_cache, next.table, next.S, block_size, row_bytes, 0, (next1 - next0) * eb);
+          } else {
+            ahead.stop();
+          }
+          // those lines over this sequence's steps here (`per` lines each; legacy_scores: one per head and 8 keys or
+          // a last key, legacy_pv: one per key of each 32-d pass of up to 3 heads)
+          const int64_t calls = (std::min(end, next0) - item) *
+                                (G * (S / 8 + S % 8) + (G + 2) / 3 * ((D + 31) / 32) * S);
+          const int64_t lines = (next1 - next0) * ((eb + 63) / 64);
+          per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
+        }
+        scores.resize(G * S);
+        const int64_t r = rows ? rows[b] : b, h0 = kvh * group;
+        legacy_scores(q + r * q_stride + h0 * D, G, k_cache + kvh * D, span.table, S, block_size, block_stride, row, D,
+                      scale, scores.data(), ahead, per);
+        mask_skipped(scores.data(), G, S, span.skip);
+        for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * S, S);
+        for (int64_t gi = 0; gi < G; gi += 3) {
+          for (int64_t c0 = 0; c0 < D; c0 += 32) {
+            const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 8));
+            const float* p = scores.data() + gi * S;
+            const T* vc = v_cache + kvh * D + c0;
+            float* o = out + (r * H + h0 + gi) * D + c0;
+            switch (std::min<int64_t>(3, G - gi)) {
+              case 1: legacy_pv_g<T, 1>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
+              case 2: legacy_pv_g<T, 2>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
+              default: legacy_pv_g<T, 3>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
+            }
+          }
+        }
+      }
+    });
+    return;
+  }
+#endif
   // One task per sequence: each token's K (and V) row of all kv heads is read once, contiguously.
   // Each thread streams the next sequence's K and V rows into L2 while it attends this one (RowStream): steps
   // spread over both passes, what is left asked for when the next sequence starts.
-  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
   const int64_t lines = (row_bytes + 63) / 64;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(H * D);
     RowStream ahead;
     for (int64_t b = begin; b < end; ++b) {
-      const WindowSpan span = window_span(block_tables + b * max_blocks, seq_lens[b], block_size, window);
+      const WindowSpan span = span_of(b);
       const int64_t S = span.S;
       const int64_t* table = span.table;
       ahead.finish();
       if (b + 1 < end) {
-        const WindowSpan next = window_span(block_tables + (b + 1) * max_blocks, seq_lens[b + 1], block_size, window);
+        const WindowSpan next = span_of(b + 1);
         ahead.start(k_cache, v_cache, next.table, next.S, block_size, row_bytes, 0, row_bytes);
       } else {
         ahead.stop();
       }
-      const float* qb = q + b * H * D;
+      const float* qb = q + (rows ? rows[b] : b) * q_stride;
       scores.resize(H * S);
-#ifdef __AVX2__
-      if (D % 8 == 0) {  // the register passes (legacy_scores, legacy_pv): the loops' bits (groups up to kMaxGroup)
-        const int64_t calls = KVH * group * (S / 8 + S % 8) + KVH * ((group + 2) / 3) * ((D + 31) / 32) * S;
-        const int64_t per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
-        for (int64_t kvh = 0; kvh < KVH; ++kvh)
-          legacy_scores(qb + kvh * group * D, group, k_cache + kvh * D, table, S, block_size, block_stride, row, D,
-                        scale, scores.data() + kvh * group * S, ahead, per);
-        mask_skipped(scores.data(), H, S, span.skip);
-        for (int64_t h = 0; h < H; ++h) softmax_inplace(scores.data() + h * S, S);
-        for (int64_t kvh = 0; kvh < KVH; ++kvh)
-          for (int64_t g0 = 0; g0 < group; g0 += 3) {
-            const int64_t h0 = kvh * group + g0;
-            for (int64_t c0 = 0; c0 < D; c0 += 32) {
-              const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 8));
-              const float* p = scores.data() + h0 * S;
-              const T* vc = v_cache + kvh * D + c0;
-              float* o = out + b * H * D + h0 * D + c0;
-              switch (std::min<int64_t>(3, group - g0)) {
-                case 1: legacy_pv_g<T, 1>(nv, p, S, vc, table, block_size, block_stride, row, D, o, ahead, per); break;
-                case 2: legacy_pv_g<T, 2>(nv, p, S, vc, table, block_size, block_stride, row, D, o, ahead, per); break;
-                default: legacy_pv_g<T, 3>(nv, p, S, vc, table, block_size, block_stride, row, D, o, ahead, per); break;
-              }
-            }
-          }
-        continue;
-      }
-#endif
       // lines per key of each pass: the next sequence's rows (its S' keys x lines) over this one's 2 S key visits
       const int64_t per_key = std::max<int64_t>(1, (ahead.left * lines + 2 * S - 1) / std::max<int64_t>(1, 2 * S));
       // Walk the block table block by block (no division per token); head h's scores are row h.
@@ -376,7 +411,7 @@ void decode_kernel(const float* q, const T* k_cache, const T* v_cache, const int
           }
         }
       }
-      std::copy(acc.begin(), acc.end(), out + b * H * D);
+      std::copy(acc.begin(), acc.end(), out + (rows ? rows[b] : b) * H * D);
     }
   });
 }
@@ -516,6 +551,13 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
         for (int64_t j0 = L_max; j0 < S_min;) {
           const int64_t n = std::min(BS - j0 % BS, S_min - j0);
           const S* vblk = v_cache + table[j0 / BS] * block_stride + (j0 % BS) * row + kvh * D;
+          if (j0 + n < S_min) {  // the next block's V rows of this kv head into L1 while this one's tiles run
+            const int64_t j1 = j0 + n, n1 = std::min(BS, S_min - j1);
+            const char* nb = reinterpret_cast<const char*>(v_cache + table[j1 / BS] * block_stride + kvh * D);
+            for (int64_t t = 0; t < n1; ++t)
+              for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(S)); o += 64)
+                __builtin_prefetch(nb + t * row * static_cast<int64_t>(sizeof(S)) + o, 0, 3);
+          }
           for (int64_t m0 = 0; m0 < M; m0 += kMR) {
             const int64_t Rm = std::min(kMR, M - m0);
             for (int64_t d0 = 0; d0 < D; d0 += kNR)
@@ -1208,16 +1250,21 @@ void decode_avx512(const SQ* q, int64_t q_stride, const int64_t* rows, const SC*
 }  // namespace
 
 // Whether DecodeStack's team may run paged_decode_attention for this batch (every sequence's context below
-// block_tables' reach, checked by the caller's kernels): where decode_avx512 runs it (a split sequence's partitions
-// are combined after a team_sync).
+// block_tables' reach, checked by the caller's kernels): where its tasks split through team_for — decode_avx512 (a
+// split sequence's partitions are combined after a team_sync), or, in an AVX2 build, decode_kernel's register passes
+// over float32 queries (read and written in place).
 bool decode_attention_in_team(c10::ScalarType q_dtype, int64_t H, const torch::Tensor& k_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens) {
-#ifdef PAGEDSERVE_AVX512
+#if defined(PAGEDSERVE_AVX512) || defined(__AVX2__)
   const int64_t B = block_tables.size(0), W = block_tables.size(1), D = k_cache.size(3);
   const int64_t KVH = k_cache.size(2), BS = k_cache.size(1);
-  const bool dtypes = (q_dtype == torch::kFloat32 || q_dtype == torch::kBFloat16) &&
-                      (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16);
-  if (!dtypes || !decode_avx512_takes(D) || KVH < 1 || H % KVH != 0 || seq_lens.numel() != B) return false;
+  const bool caches = k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16;
+#ifdef PAGEDSERVE_AVX512
+  const bool route = (q_dtype == torch::kFloat32 || q_dtype == torch::kBFloat16) && decode_avx512_takes(D);
+#else
+  const bool route = q_dtype == torch::kFloat32 && legacy::decode_heads_take(D);
+#endif
+  if (!caches || !route || KVH < 1 || H % KVH != 0 || seq_lens.numel() != B) return false;
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     if (sl[b] < 1 || sl[b] > W * BS) return false;  // the kernel's own checks raise on it: outside the team
@@ -1274,20 +1321,27 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     return;
   }
 #endif
-  // Portable kernel: float32 queries gathered contiguously, results scattered back.
+  // Float32 queries read in place and results written there; other queries converted (gathered contiguously, the
+  // results scattered back).
+  const float fs = static_cast<float>(scale);
+  const int64_t MB = block_tables.size(1);
+  if (q.scalar_type() == torch::kFloat32) {
+    dispatch_float_bf16(k_cache, "paged_decode_attention", [&]<typename SC>() {
+      using T = std::conditional_t<std::is_same_v<SC, float>, float, c10::BFloat16>;
+      legacy::decode_kernel<T>(q.data_ptr<float>(), q.stride(0), rw, reinterpret_cast<const T*>(ptr<SC>(k_cache)),
+                               reinterpret_cast<const T*>(ptr<SC>(v_cache)), bt, sl, out.data_ptr<float>(), B, H, KVH,
+                               D, BS, MB, fs, window);
+    });
+    return;
+  }
   auto qf = (rw ? q.index_select(0, rows) : q).to(torch::kFloat32).contiguous();
   auto res = torch::empty({B, H, D}, qf.options());
-  if (k_cache.scalar_type() == torch::kFloat32) {
-    legacy::decode_kernel<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, sl,
-                                 res.data_ptr<float>(), B, H, KVH, D, BS, block_tables.size(1), static_cast<float>(scale),
-                                 window);
-  } else if (k_cache.scalar_type() == torch::kBFloat16) {
-    legacy::decode_kernel<c10::BFloat16>(qf.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
-                                         v_cache.data_ptr<c10::BFloat16>(), bt, sl, res.data_ptr<float>(), B, H, KVH,
-                                         D, BS, block_tables.size(1), static_cast<float>(scale), window);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: cache dtype must be float32 or bfloat16");
-  }
+  dispatch_float_bf16(k_cache, "paged_decode_attention", [&]<typename SC>() {
+    using T = std::conditional_t<std::is_same_v<SC, float>, float, c10::BFloat16>;
+    legacy::decode_kernel<T>(qf.data_ptr<float>(), H * D, nullptr, reinterpret_cast<const T*>(ptr<SC>(k_cache)),
+                             reinterpret_cast<const T*>(ptr<SC>(v_cache)), bt, sl, res.data_ptr<float>(), B, H, KVH, D,
+                             BS, MB, fs, window);
+  });
   if (rw) {
     out.index_copy_(0, rows, res.to(out.scalar_type()));
   } else {

@@ -229,10 +229,10 @@ class DecodeStack {
   // The team (one parallel region for the whole step; see Team in common.h) takes a step of as many sequences as
   // every matmul runs its few-rows kernel for (split by team_for): 4 (the vdpbf16ps route's GEMV and the float32
   // one), 16 where the bf16 matmuls run on AMX tiles (the int8 route takes any count 4 rows at a time); of a
-  // team_stack_ (the constructor: the quantized routes, not the strict mode), no more threads than CPUs, and the fused
-  // decode attention's route (kSplit: its tasks split through team_for) — or, in a build without that AVX-512 kernel,
-  // the portable one on thread 0 alone (kThread0: it forks per sequence and writes its whole output, so it cannot take
-  // a share; at a W2 step of one sequence it ran on one thread anyway).
+  // team_stack_ (the constructor: the quantized routes, not the strict mode), no more threads than CPUs, and a decode
+  // attention whose tasks split through team_for (kSplit: the AVX-512 kernel, or the AVX2 one over float32 queries;
+  // see decode_attention_in_team) — or, in a build without the AVX-512 kernel, the other cases on thread 0 alone
+  // (kThread0: the kernel converts the queries and forks, so it cannot take a share).
   enum class TeamAttention { kNone, kSplit, kThread0 };
   TeamAttention team_applies(const torch::Tensor& x, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens) const {
@@ -249,13 +249,11 @@ class DecodeStack {
     }();
     const int64_t threads = at::get_num_threads();
     if (cpus > 0 && threads > cpus) return TeamAttention::kNone;
+    const bool split = decode_attention_in_team(x.scalar_type(), H_, layers_[0].k_cache, block_tables, seq_lens);
 #ifdef PAGEDSERVE_AVX512
-    return decode_attention_in_team(x.scalar_type(), H_, layers_[0].k_cache, block_tables, seq_lens)
-               ? TeamAttention::kSplit
-               : TeamAttention::kNone;
+    return split ? TeamAttention::kSplit : TeamAttention::kNone;
 #else
-    (void)block_tables, (void)seq_lens;
-    return TeamAttention::kThread0;
+    return split ? TeamAttention::kSplit : TeamAttention::kThread0;
 #endif
   }
 
