@@ -947,8 +947,8 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
 def test_decode_stack_team_on_float32_activations(arch, route):
     """A float32 stack on the float32 quantized route (7: quant_linear's AVX2 GEMV, whose groups split through
     team_for) or the int8 activations route (9) runs a step of 1-4 sequences as one team too, with the same bits as a
-    parallel region per op. Native (AVX-512): the fused decode attention splits its tasks in the team; x86-64-v3 (an
-    AVX2-only CPU's build, without that kernel): the portable attention runs whole on thread 0 between the barriers.
+    parallel region per op. The decode attention splits its tasks in the team: the fused AVX-512 kernel's (native on an
+    AVX-512 CPU), or the AVX2 kernel's (sequence, kv head) tasks (x86-64-v3, an AVX2-only CPU's build).
     5 sequences take the old path (4 rows at most with a float32 route, AMX or not; the int8 route: 16 on AMX). A bad
     block table raises inside the team as outside it."""
     ext = __import__("pagedserve.kernels", fromlist=["x"]).load_extension(arch)
