@@ -22,10 +22,10 @@
 // rows at a time in registers (one 16-byte load, a few integer ops, two int -> float conversions and the scale
 // multiplies) straight into the FMAs, over 1-2 panels at once so that 4-8 independent chains hide the FMA latency,
 // with software prefetch ahead of the panel streams. Many rows (prefill; compute-bound): per block of ~256 KB of x
-// rows, each panel's weights are widened one 256-k slice at a time into a 16 KB float32 buffer [k][16 rows]
-// (L1-resident) that 6-row x 16-column register tiles (fixed_gemm.cpp's scheme) run over; the chains continue
-// across slices through stored accumulators (stored and reloaded exactly). Threads split the panels; an output is
-// computed by one thread from k = 0 to K-1.
+// rows (up to 264 rows: all of them), each panel's weights are widened one 256-k slice at a time into a 16 KB float32
+// buffer [k][16 rows] (L1-resident) that 6-row x 16-column register tiles (fixed_gemm.cpp's scheme) run over; the
+// chains continue across slices through stored accumulators (stored and reloaded exactly). Threads split the panels;
+// an output is computed by one thread from k = 0 to K-1.
 //
 // AVX2 + FMA + F16C intrinsics (FMAs opaque to -ffast-math's reassociation; the decode's arithmetic is
 // exact products and one add, so contraction or reordering cannot change it); without them a scalar path
