@@ -86,7 +86,8 @@ inline void mask_skipped(float* sc, int64_t n, int64_t S, int64_t skip) {
 // (benchmarks/decode_attention_ab.py), where prefetching a fixed distance ahead inside each task (kept in flight by
 // too few line-fill buffers) overlapped little of the memory with the compute. A thread's first pair is not asked for ahead (`cold`): its passes prefetch their own rows a fixed
 // distance ahead (prefetch_ahead), which overlaps better where a thread has a single pair (one sequence's decode).
-// The AVX2 kernel (legacy::decode_kernel) streams its next task's rows (a sequence's, of one kv head) the same way.
+// The AVX2 kernel (legacy::decode_kernel) streams each thread's next sequence's rows (of its kv heads there) the
+// same way.
 struct RowStream {
   bool cold = true;
   const char* kc = nullptr;
@@ -316,7 +317,7 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
       RowStream ahead;
       int64_t per = 1;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / KVH, kvh = item % KVH, G = group;
+        const int64_t b = item / KVH, kvh = item % KVH;
         const WindowSpan span = span_of(b);
         const int64_t S = span.S;
         if (item == begin || kvh == 0) {  // a new sequence: stream the next one's rows (of its tasks here)
@@ -331,23 +332,23 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
           // those lines over this sequence's steps here (`per` lines each; legacy_scores: one per head and 8 keys or
           // a last key, legacy_pv: one per key of each 32-d pass of up to 3 heads)
           const int64_t calls = (std::min(end, next0) - item) *
-                                (G * (S / 8 + S % 8) + (G + 2) / 3 * ((D + 31) / 32) * S);
+                                (group * (S / 8 + S % 8) + (group + 2) / 3 * ((D + 31) / 32) * S);
           const int64_t lines = (next1 - next0) * ((eb + 63) / 64);
           per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
         }
-        scores.resize(G * S);
+        scores.resize(group * S);
         const int64_t r = rows ? rows[b] : b, h0 = kvh * group;
-        legacy_scores(q + r * q_stride + h0 * D, G, k_cache + kvh * D, span.table, S, block_size, block_stride, row, D,
-                      scale, scores.data(), ahead, per);
-        mask_skipped(scores.data(), G, S, span.skip);
-        for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * S, S);
-        for (int64_t gi = 0; gi < G; gi += 3) {
+        legacy_scores(q + r * q_stride + h0 * D, group, k_cache + kvh * D, span.table, S, block_size, block_stride, row,
+                      D, scale, scores.data(), ahead, per);
+        mask_skipped(scores.data(), group, S, span.skip);
+        for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * S, S);
+        for (int64_t gi = 0; gi < group; gi += 3) {
           for (int64_t c0 = 0; c0 < D; c0 += 32) {
             const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 8));
             const float* p = scores.data() + gi * S;
             const T* vc = v_cache + kvh * D + c0;
             float* o = out + (r * H + h0 + gi) * D + c0;
-            switch (std::min<int64_t>(3, G - gi)) {
+            switch (std::min<int64_t>(3, group - gi)) {
               case 1: legacy_pv_g<T, 1>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
               case 2: legacy_pv_g<T, 2>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
               default: legacy_pv_g<T, 3>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
@@ -1324,13 +1325,13 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   // Float32 queries read in place and results written there; other queries converted (gathered contiguously, the
   // results scattered back).
   const float fs = static_cast<float>(scale);
-  const int64_t MB = block_tables.size(1);
+  const int64_t max_blocks = block_tables.size(1);
   if (q.scalar_type() == torch::kFloat32) {
     dispatch_float_bf16(k_cache, "paged_decode_attention", [&]<typename SC>() {
       using T = std::conditional_t<std::is_same_v<SC, float>, float, c10::BFloat16>;
       legacy::decode_kernel<T>(q.data_ptr<float>(), q.stride(0), rw, reinterpret_cast<const T*>(ptr<SC>(k_cache)),
                                reinterpret_cast<const T*>(ptr<SC>(v_cache)), bt, sl, out.data_ptr<float>(), B, H, KVH,
-                               D, BS, MB, fs, window);
+                               D, BS, max_blocks, fs, window);
     });
     return;
   }
@@ -1340,7 +1341,7 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     using T = std::conditional_t<std::is_same_v<SC, float>, float, c10::BFloat16>;
     legacy::decode_kernel<T>(qf.data_ptr<float>(), H * D, nullptr, reinterpret_cast<const T*>(ptr<SC>(k_cache)),
                              reinterpret_cast<const T*>(ptr<SC>(v_cache)), bt, sl, res.data_ptr<float>(), B, H, KVH, D,
-                             BS, MB, fs, window);
+                             BS, max_blocks, fs, window);
   });
   if (rw) {
     out.index_copy_(0, rows, res.to(out.scalar_type()));
