@@ -1324,25 +1324,17 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 #endif
   // Float32 queries read in place and results written there; other queries converted (gathered contiguously, the
   // results scattered back).
-  const float fs = static_cast<float>(scale);
-  const int64_t max_blocks = block_tables.size(1);
-  if (q.scalar_type() == torch::kFloat32) {
-    dispatch_float_bf16(k_cache, "paged_decode_attention", [&]<typename SC>() {
-      using T = std::conditional_t<std::is_same_v<SC, float>, float, c10::BFloat16>;
-      legacy::decode_kernel<T>(q.data_ptr<float>(), q.stride(0), rw, reinterpret_cast<const T*>(ptr<SC>(k_cache)),
-                               reinterpret_cast<const T*>(ptr<SC>(v_cache)), bt, sl, out.data_ptr<float>(), B, H, KVH,
-                               D, BS, max_blocks, fs, window);
-    });
-    return;
-  }
-  auto qf = (rw ? q.index_select(0, rows) : q).to(torch::kFloat32).contiguous();
-  auto res = torch::empty({B, H, D}, qf.options());
+  const bool in_place = q.scalar_type() == torch::kFloat32;
+  const torch::Tensor qf = in_place ? q : (rw ? q.index_select(0, rows) : q).to(torch::kFloat32).contiguous();
+  const torch::Tensor res = in_place ? out : torch::empty({B, H, D}, qf.options());
   dispatch_float_bf16(k_cache, "paged_decode_attention", [&]<typename SC>() {
     using T = std::conditional_t<std::is_same_v<SC, float>, float, c10::BFloat16>;
-    legacy::decode_kernel<T>(qf.data_ptr<float>(), H * D, nullptr, reinterpret_cast<const T*>(ptr<SC>(k_cache)),
-                             reinterpret_cast<const T*>(ptr<SC>(v_cache)), bt, sl, res.data_ptr<float>(), B, H, KVH, D,
-                             BS, max_blocks, fs, window);
+    legacy::decode_kernel<T>(qf.data_ptr<float>(), qf.stride(0), in_place ? rw : nullptr,
+                             reinterpret_cast<const T*>(ptr<SC>(k_cache)), reinterpret_cast<const T*>(ptr<SC>(v_cache)),
+                             bt, sl, res.data_ptr<float>(), B, H, KVH, D, BS, block_tables.size(1),
+                             static_cast<float>(scale), window);
   });
+  if (in_place) return;
   if (rw) {
     out.index_copy_(0, rows, res.to(out.scalar_type()));
   } else {
