@@ -230,6 +230,12 @@ class CpuKernels:
         FMA chain (norms: quant_screen_norms of this weight, non-empty)."""
         return self.ext.quant_linear_argmax(x, packed, type_id, n, x.shape[-1], norms)
 
+    def quant_linear_silu(self, x, packed, type_id: int, n: int):
+        """silu(gate) * up of quant_linear (float32 x and out) over W = [gate; up] (n = 2 I, I % 16 == 0, no bias):
+        the bits of silu_and_mul over it, in one call (fused where the AVX2 kernels are built: the [M, 2 I] product
+        is never written)."""
+        return self.ext.quant_linear_silu(x, packed, type_id, n, x.shape[-1])
+
     def quant_linear_bf16_silu(self, x, packed, type_id: int, n: int):
         """silu(gate) * up of quant_linear_bf16 (bf16 out) over W = [gate; up] (n = 2 I, I % 16 == 0, no bias): the
         bits of silu_and_mul over it, in one call (fused where AMX runs the many-rows matmul)."""

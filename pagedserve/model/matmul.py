@@ -341,13 +341,17 @@ class MatmulRoutes:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate; up] matmul (no bias) in one kernel call, the same bits as the matmul then
-        kernels.silu_and_mul: on the QUANT_BF16 route with bf16 x and a single block type; None elsewhere."""
+        kernels.silu_and_mul: on the QUANT_BF16 route with bf16 x, or the QUANT route with float32 x, and a single
+        block type; None elsewhere."""
         route = self.route_for(x)
-        if (route != Route.QUANT_BF16 or self.float32_out or x.dtype != torch.bfloat16 or len(self.quant) != 1
-                or self.quant[0].n % 32):
+        if self.float32_out or len(self.quant) != 1 or self.quant[0].n % 32:
             return None
         p = self.quant[0]
-        return self.kernels.quant_linear_bf16_silu(x, p.packed, p.type_id, p.n)
+        if route == Route.QUANT_BF16 and x.dtype == torch.bfloat16:
+            return self.kernels.quant_linear_bf16_silu(x, p.packed, p.type_id, p.n)
+        if route == Route.QUANT and x.dtype == torch.float32:
+            return self.kernels.quant_linear_silu(x, p.packed, p.type_id, p.n)
+        return None
 
     @property
     def one_route(self) -> bool:

@@ -668,6 +668,38 @@ def test_bad_arguments_raise(kernels):
         kernels.quant_embedding(torch.tensor([32]), packed, int(Q.Q8_0), 64, torch.float32)
 
 
+@pytest.mark.usefixtures("threads")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_silu_is_silu_and_mul_over_the_linear(kernels, qtype):
+    """quant_linear_silu (the MLP's gate_up projection and SwiGLU in one call on the float32 route: the many-rows
+    matmul's epilogue, and for few rows each gate panel with its up panel in one GEMV task) gives exactly silu_and_mul
+    over quant_linear's float32 output: 1-2 rows (a paired GEMV), 3-4 (one GEMV per half), tiles of rows with a partial
+    last one, past 8 row blocks (the weights widened whole once), rows with a stride, I = 80 and 208, 1 and 2 threads;
+    and it is SwiGLU over the dequantized weight (float64) to a few float32 ulp."""
+    k = 512 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 640
+    g = torch.Generator().manual_seed(62)
+    x = torch.randn(1100, k + 32, generator=g)[:, :k] * 2  # row stride k + 32
+    for I, ms in ((208, (1, 4, 64, 1100)), (80, (1, 2, 3, 4, 5, 17, 300))):
+        raw = random_blocks(qtype, 2 * I, k, seed=61)
+        packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+        for m in ms:
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                ref = kernels.silu_and_mul(kernels.quant_linear(x[:m], packed, int(qtype), 2 * I, None,
+                                                                torch.float32))
+                got = kernels.quant_linear_silu(x[:m], packed, int(qtype), 2 * I)
+                assert got.dtype == torch.float32 and got.shape == (m, I)
+                assert torch.equal(got, ref), (I, m, t)
+    gate, up = (x[:300].double() @ dequantize(raw, qtype).double().t()).chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    scale = (x[:300].double().abs() @ dequantize(raw, qtype).double().abs().t()).max()
+    assert (got.double() - expected).abs().max() <= 1e-5 * scale * float(up.abs().max() + 1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.quant_linear_silu(x[:4], packed, int(qtype), 2 * I - 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.quant_linear_silu(x[:4].bfloat16(), packed, int(qtype), 2 * I)
+
+
 # ---- DecodeStack's quantized route (7) --------------------------------------------------------------
 
 H, KVH, D, HIDDEN, INTER, BS = 4, 2, 64, 256, 256, 16

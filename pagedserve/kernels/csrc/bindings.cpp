@@ -84,6 +84,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n"), py::arg("k"), py::arg("norms"),
         "int64 [M]: each row's first argmax of quant_linear's float32 logits over a Q8_0 LM head (-1 where one is NaN), "
         "from an int16 screen with a rigorous bound and the exact chains of the few columns it leaves");
+  m.def("quant_linear_silu", &pagedserve::quant_linear_silu, py::arg("x"), py::arg("packed"), py::arg("type_id"),
+        py::arg("n"), py::arg("k"),
+        "silu(gate) * up of quant_linear over W = [gate; up] (n = 2 I, I % 16 == 0), float32 x and out [M, I]: the bits "
+        "of silu_and_mul over quant_linear's float32 output, fused where the AVX2 kernels are built");
   m.def("quant_linear_bf16_silu", &pagedserve::quant_linear_bf16_silu, py::arg("x"), py::arg("packed"),
         py::arg("type_id"), py::arg("n"), py::arg("k"),
         "silu(gate) * up of quant_linear_bf16 over W = [gate; up] (n = 2 I, I % 16 == 0), bf16 [M, I]: the bits of "

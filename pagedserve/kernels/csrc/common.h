@@ -315,4 +315,34 @@ inline __m512 dpbf16_bcast(__m512 acc, const void* pair, __m512bh w) {
 #endif
 #endif
 
+#ifdef PAGEDSERVE_QUANT_AVX2
+// e^x for 8 lanes: exp16's steps (the same reduction and polynomial) with AVX2's rounding and 2^n made in the exponent
+// bits (n in [-126, 127] after the clamp: exact), each step pinned (see pinned()).
+inline __m256 exp8(__m256 x) {
+  x = pinned(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)));
+  const __m256 n = pinned(_mm256_round_ps(pinned(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m256 r = pinned(_mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  r = pinned(_mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = pinned(_mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f)));
+  p = pinned(_mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f)));
+  p = pinned(_mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f)));
+  p = pinned(_mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f)));
+  p = pinned(_mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f)));
+  p = pinned(_mm256_fmadd_ps(p, pinned(_mm256_mul_ps(r, r)), pinned(_mm256_add_ps(r, _mm256_set1_ps(1.0f)))));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return pinned(_mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// silu(g) * u for 8 float32 lanes: g / (1 + e^-g) (a true division), e^-g capped at e^80 as the scalar form's, times
+// u. silu_and_mul's float32 arithmetic wherever AVX2 + FMA are built, shared by quant_linear_silu's fused epilogue so
+// that both give the same bits (every step pinned).
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp8(pinned(_mm256_min_ps(pinned(_mm256_sub_ps(_mm256_setzero_ps(), g)), _mm256_set1_ps(80.f))));
+  const __m256 den = pinned(_mm256_add_ps(_mm256_set1_ps(1.f), e));
+  return pinned(_mm256_mul_ps(pinned(_mm256_div_ps(g, den)), u));
+}
+#endif
+
 }  // namespace pagedserve

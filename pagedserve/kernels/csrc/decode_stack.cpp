@@ -75,15 +75,23 @@ struct MatmulSpec {
     }
   }
 
-  // Whether silu() runs as one call (quant_linear_bf16_silu: the bf16 quantized route, one part, no bias, I % 16 == 0;
-  // that route's x is bf16).
-  bool silu_fused() const { return route == kQuantBf16 && more.empty() && !bias && out_features() % 32 == 0; }
+  // Whether silu() of x of dtype xt runs as one call: quant_linear_bf16_silu (the bf16 quantized route, bf16 x) or
+  // quant_linear_silu (the float32 one, float32 x); one part, no bias, I % 16 == 0.
+  bool silu_fused(c10::ScalarType xt) const {
+    const bool takes = (route == kQuantBf16 && xt == torch::kBFloat16) || (route == kQuant && xt == torch::kFloat32);
+    return takes && more.empty() && !bias && out_features() % 32 == 0;
+  }
+
+  // silu(gate) * up of this [gate; up] matmul in one call (where silu_fused).
+  torch::Tensor fused_silu(const torch::Tensor& x) const {
+    if (route == kQuantBf16) return quant_linear_bf16_silu(x, q, qtype, out_features(), x.size(1));
+    return quant_linear_silu(x, q, qtype, out_features(), x.size(1));
+  }
 
   // silu(gate) * up of this [gate; up] matmul: in one call where silu_fused (the same bits as the two ops, as the
   // model's MLP takes it), else the matmul then silu_and_mul.
   torch::Tensor silu(const torch::Tensor& x) const {
-    if (silu_fused() && x.scalar_type() == torch::kBFloat16)
-      return quant_linear_bf16_silu(x, q, qtype, out_features(), x.size(1));
+    if (silu_fused(x.scalar_type())) return fused_silu(x);
     return silu_and_mul((*this)(x));
   }
 };
@@ -161,7 +169,6 @@ class DecodeStack {
       }
       team_stack_ = team_stack_ && l.k_cache.sizes().slice(1) == layers_[0].k_cache.sizes().slice(1) &&
                     l.k_cache.scalar_type() == layers_[0].k_cache.scalar_type();
-      team_mlp_unfused_ = team_mlp_unfused_ || gelu_ || !l.gate_up.silu_fused();
     }
   }
 
@@ -257,8 +264,8 @@ class DecodeStack {
 #endif
   }
 
-  // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls (a bf16
-  // SwiGLU fused into gate_up's), the rotary + K/V write, the attention (split_attention; else on thread 0) and the
+  // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls (a SwiGLU
+  // fused into gate_up's), the rotary + K/V write, the attention (split_attention; else on thread 0) and the
   // SwiGLU / GeGLU of the other routes split between the threads (team_for), the norms and the copies of a matmul's
   // parts into its output on thread 0, the threads meeting at a barrier after each op. The tensors each op writes are
   // made before the region, so the threads share them (a norm's output on thread 0: assigned before the barrier the
@@ -283,7 +290,9 @@ class DecodeStack {
     const int64_t gu_width = width(l0.gate_up);
     torch::Tensor o_out = torch::empty({B, h.size(1)}, opt), act = torch::empty({B, gu_width / 2}, opt);
     torch::Tensor down_out = torch::empty({B, h.size(1)}, opt);
-    const torch::Tensor gu = team_mlp_unfused_ ? torch::empty({B, gu_width}, opt) : torch::Tensor();  // [gate; up]
+    bool mlp_unfused = gelu_;  // some layer's MLP is a gate_up matmul, then its SwiGLU / GeGLU
+    for (const auto& l : layers_) mlp_unfused = mlp_unfused || !l.gate_up.silu_fused(h.scalar_type());
+    const torch::Tensor gu = mlp_unfused ? torch::empty({B, gu_width}, opt) : torch::Tensor();  // [gate; up]
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, H_, D}), attn_rows = attn.view({B, q_size});
     // The parts of a matmul that has several (Gemma's q/k beside v of another type): each into its own output, then
     // copied into the matmul's columns.
@@ -307,11 +316,11 @@ class DecodeStack {
       barrier.emplace(n);  // (the end of single is a barrier: every thread sees it)
       TeamBarrier& bar = *barrier;
       // Thread t's share of one matmul (or part) of `in` into `out` (matmul_output hands out `out`; the few-rows
-      // drivers split through team_for); silu: a bf16 [gate; up] matmul's fused SwiGLU.
+      // drivers split through team_for); silu: a [gate; up] matmul's fused SwiGLU (MatmulSpec::fused_silu).
       auto one = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out, bool silu = false) {
         g_team = {t, n, &out};
         if (silu) {
-          quant_linear_bf16_silu(in, m.q, m.qtype, m.out_features(), in.size(1));
+          m.fused_silu(in);
         } else if (m.route == kQuantI8) {
           quant_linear_i8(in, m.q, m.qtype, m.out_features(), in.size(1), m.bias, in.scalar_type());
         } else if (m.route == kQuant) {
@@ -369,7 +378,7 @@ class DecodeStack {
             fused_add_rms_norm(h, residual, l.ln2, eps_, once_);
           }
           if (!bar.wait()) break;
-          if (!gelu_ && l.gate_up.silu_fused()) {  // MatmulSpec::silu's one call
+          if (!gelu_ && l.gate_up.silu_fused(h.scalar_type())) {  // MatmulSpec::silu's one call
             one(l.gate_up, h, act, true);
           } else {
             if (!matmul(l.gate_up, h, gu, parts[2 * i + 1]) || !bar.wait()) break;
@@ -403,7 +412,6 @@ class DecodeStack {
   bool strict_attention_, gelu_, once_;
   bool team_stack_ = false;        // the stack's part of team_applies (the constructor)
   bool team_float_ = false;        // some matmul on the float32 route, whose few-rows GEMV takes up to 4 rows
-  bool team_mlp_unfused_ = false;  // some layer's MLP is a gate_up matmul, then its SwiGLU / GeGLU (the constructor)
 };
 
 void bind_decode_stack(pybind11::module& m) {

@@ -223,10 +223,11 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
 
 namespace {
 // gate_up: [T, 2 * I] -> [T, I]: act(gate) rounded to the dtype, times up, rounded -- the body of silu_and_mul and
-// gelu_tanh_and_mul. vec(g, u): 16 bf16 lanes of the product before its rounding (AVX-512; nullptr: none); one(x): act
-// in float32, for the other lanes and dtypes.
-template <typename Vec, typename One>
-torch::Tensor act_and_mul(const torch::Tensor& gate_up, const char* name, [[maybe_unused]] Vec vec, One one) {
+// gelu_tanh_and_mul. vec(g, u): 16 bf16 lanes of the product before its rounding (AVX-512; nullptr: none); vec8(g, u):
+// 8 float32 lanes of the product (AVX2 + FMA; nullptr: none); one(x): act in float32, for the other lanes and dtypes.
+template <typename Vec, typename Vec8, typename One>
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, const char* name, [[maybe_unused]] Vec vec,
+                          [[maybe_unused]] Vec8 vec8, One one) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, name,
               ": input must be [T, 2 * I] with contiguous rows");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
@@ -243,6 +244,12 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, const char* name, [[mayb
 #ifdef PAGEDSERVE_AVX512
       if constexpr (std::is_same_v<S, uint16_t> && !std::is_same_v<Vec, std::nullptr_t>) {
         for (; i0 + 16 <= c1; i0 += 16) store16(o + i0, vec(load16(g + i0), load16(u + i0)));
+      }
+#endif
+#ifdef PAGEDSERVE_QUANT_AVX2
+      if constexpr (std::is_same_v<S, float> && !std::is_same_v<Vec8, std::nullptr_t>) {
+        for (; i0 + 8 <= c1; i0 += 8)
+          _mm256_storeu_ps(o + i0, vec8(_mm256_loadu_ps(g + i0), _mm256_loadu_ps(u + i0)));
       }
 #endif
 #pragma omp simd
@@ -268,15 +275,23 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, const char* name, [[mayb
 
 // gate_up: [T, 2 * I] -> [T, I]: silu(gate) * up, each rounded to the dtype as the reference does. In bf16 with
 // AVX-512, common.h's silu_mul16: the fused SwiGLU epilogue of quant_linear_bf16_silu runs the same function and must
-// give the same bits (its arithmetic is pinned, so inlining it here or there computes the same operations).
+// give the same bits (its arithmetic is pinned, so inlining it here or there computes the same operations); in float32
+// with AVX2 + FMA, silu_mul8 for every 8 lanes, as quant_linear_silu's epilogue (the scalar form for a row's last
+// I % 8).
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 #ifdef PAGEDSERVE_AVX512
   auto vec = [](__m512 g, __m512 u) { return silu_mul16(g, u); };
 #else
   auto vec = nullptr;
 #endif
+#ifdef PAGEDSERVE_QUANT_AVX2
+  auto vec8 = [](__m256 g, __m256 u) { return silu_mul8(g, u); };
+#else
+  auto vec8 = nullptr;
+#endif
   // Clamped so exp stays finite (the kernels are built with -ffast-math): silu(x) ~ -0 there anyway.
-  return act_and_mul(gate_up, "silu_and_mul", vec, [](float x) { return x / (1.f + expf(std::min(-x, 80.f))); });
+  return act_and_mul(gate_up, "silu_and_mul", vec, vec8,
+                     [](float x) { return x / (1.f + expf(std::min(-x, 80.f))); });
 }
 
 // gate_up: [T, 2 * I] -> [T, I]: gelu(gate) (the tanh approximation, transformers' gelu_pytorch_tanh) rounded to the
@@ -295,7 +310,7 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
 #else
   auto vec = nullptr;
 #endif
-  return act_and_mul(gate_up, "gelu_tanh_and_mul", vec, [](float x) {
+  return act_and_mul(gate_up, "gelu_tanh_and_mul", vec, nullptr, [](float x) {
     const float m2y = kBeta2 * (kKappa * (x * x * x) + x);
     return x / (1.f + expf(std::min(m2y, 80.f)));
   });

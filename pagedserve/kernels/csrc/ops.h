@@ -58,6 +58,8 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
 torch::Tensor quant_screen_norms(std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K);
 torch::Tensor quant_linear_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
                                   int64_t K, torch::Tensor norms);
+torch::Tensor quant_linear_silu(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
+                                int64_t K);
 torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
                                      int64_t K);
 bool has_quant_i8();

@@ -535,7 +535,8 @@ inline void prefetch_panels(const uint8_t* panel, int64_t pstride, int64_t step,
 // The few-rows kernel: R rows of x against P panels (16 P columns) over all of K, the weights widened in
 // registers one k at a time (no buffer): acc[r * 16 P + p * 16 + j] = the chain of row r, column p * 16 + j.
 // init_panels: the 32-k step at k0 of P panels (and its share of the stream ahead).
-template <int64_t T, int P>
+// Paired: the P = 2 panels are a [gate; up] pair pstride apart (quant_linear_silu), two streams (prefetch_panels).
+template <int64_t T, int P, bool Paired = false>
 inline void init_panels(Widen<T>* wd, const uint8_t* panel, int64_t pstride, int64_t k0) {
   constexpr QuantType t = quant_type(T);
   constexpr int64_t pbb = 16 * t.block_bytes, step_bytes = 16 * t.block_bytes * 32 / t.block_size;
@@ -543,17 +544,17 @@ inline void init_panels(Widen<T>* wd, const uint8_t* panel, int64_t pstride, int
   const int s = static_cast<int>((k0 % t.block_size) / 32);
   PAGEDSERVE_UNROLL
   for (int p = 0; p < P; ++p) wd[p].init(panel + p * pstride + boff, s);
-  prefetch_stream(panel, (k0 / 32) * P * step_bytes, P * step_bytes);
+  prefetch_panels<P, Paired>(panel, pstride, k0 / 32, step_bytes);
 }
 
-template <int64_t T, int R, int P>
+template <int64_t T, int R, int P, bool Paired = false>
 void gemv_panels(const float* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K, float* acc) {
   __m256 c0[R * P], c1[R * P];
   PAGEDSERVE_UNROLL
   for (int i = 0; i < R * P; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     Widen<T> wd[P];
-    init_panels<T, P>(wd, panel, pstride, k0);
+    init_panels<T, P, Paired>(wd, panel, pstride, k0);
     auto step = [&]<bool HI>(int i) {
       const float* xk = x + k0 + (HI ? 16 + i : i);
       PAGEDSERVE_UNROLL
@@ -578,14 +579,24 @@ void gemv_panels(const float* x, int64_t xs, const uint8_t* panel, int64_t pstri
   }
 }
 
-template <int64_t T, int P>
+template <int64_t T, int P, bool Paired = false>
 inline void gemv_rows(int64_t R, const float* x, int64_t xs, const uint8_t* panel, int64_t pstride, int64_t K,
                       float* acc) {
   switch (R) {
-    case 1: gemv_panels<T, 1, P>(x, xs, panel, pstride, K, acc); break;
-    case 2: gemv_panels<T, 2, P>(x, xs, panel, pstride, K, acc); break;
-    case 3: gemv_panels<T, 3, P>(x, xs, panel, pstride, K, acc); break;
-    default: gemv_panels<T, 4, P>(x, xs, panel, pstride, K, acc); break;
+    case 1: gemv_panels<T, 1, P, Paired>(x, xs, panel, pstride, K, acc); break;
+    case 2: gemv_panels<T, 2, P, Paired>(x, xs, panel, pstride, K, acc); break;
+    case 3: gemv_panels<T, 3, P, Paired>(x, xs, panel, pstride, K, acc); break;
+    default: gemv_panels<T, 4, P, Paired>(x, xs, panel, pstride, K, acc); break;
+  }
+}
+
+// The float32 route's fused SwiGLU epilogue (quant_linear_silu): rows x 16 gate sums at gate[r * as] and their up sums
+// at up[r * as], silu_mul8 (silu_and_mul's float32 arithmetic) into y (row stride I).
+inline void write_silu8(const float* gate, const float* up, int64_t as, int64_t rows, float* y, int64_t I) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int j = 0; j < 16; j += 8)
+      _mm256_storeu_ps(y + r * I + j,
+                       silu_mul8(_mm256_loadu_ps(gate + r * as + j), _mm256_loadu_ps(up + r * as + j)));
   }
 }
 #endif
@@ -679,14 +690,13 @@ inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int6
   });
 }
 
-#ifdef PAGEDSERVE_AVX512
 // The few-rows fused SwiGLU's driver (gemv_groups' for a [gate; up] weight, N = 2 I): threads split the I / 16 pairs
-// of gate panel p and its up panel, which lie `pairs` panels apart; kernel(p, acc) fills the M x 32 sums of pair p
-// (gate panel p in columns 0-15, its up panel in 16-31), written as silu_store16 writes the many-rows route's: the
-// same bits as the matmul's bf16 output through silu_and_mul, with no [M, 2 I] product in between and each thread's
+// of gate panel p and its up panel, which lie `pairs` panels apart; kernel(p, acc) fills the (up to MaxRows) x 32 sums
+// of pair p, then epilogue(p, acc) writes them as the many-rows route's epilogue does (silu_store16, write_silu8): the
+// same bits as the matmul's output through silu_and_mul, with no [M, 2 I] product in between and each thread's
 // epilogue on the sums it made.
-template <int64_t MaxRows = kGemvRows, typename F, typename S = decltype([] { return 0; })>
-inline void gemv_silu_pairs(int64_t M, int64_t pairs, const uint8_t* w, int64_t pstride, uint16_t* y, F&& kernel,
+template <int64_t MaxRows = kGemvRows, typename F, typename E, typename S = decltype([] { return 0; })>
+inline void gemv_silu_pairs(int64_t pairs, const uint8_t* w, int64_t pstride, F&& kernel, E&& epilogue,
                             S setup = {}) {
   team_for(pairs, 1, [&](int64_t p0, int64_t p1) {  // a decode step's team: this thread's share (see Team)
     const int64_t task_bytes = std::min(kStreamAhead / 2, (p1 - p0) * pstride);
@@ -696,11 +706,10 @@ inline void gemv_silu_pairs(int64_t M, int64_t pairs, const uint8_t* w, int64_t 
     alignas(64) float acc[MaxRows * 2 * 16];
     for (int64_t p = p0; p < p1; ++p) {
       kernel(p, acc);
-      for (int64_t r = 0; r < M; ++r) silu_store16(acc + r * 32, 16, y + r * pairs * 16 + p * 16);
+      epilogue(p, acc);
     }
   });
 }
-#endif
 
 // The many-rows float32 route's widened weights (quant_gemm): at most 16 MB, half of a 32 MB L3 (reading them from
 // memory at every row block would cost more than widening them again); a grow-only buffer per calling thread (its
@@ -712,13 +721,39 @@ inline float* wide_buffer(int64_t n) {
   return align64_in(v);
 }
 
-template <int64_t T, typename OT>
+// SILU (AVX2 builds, float32 out, no bias, N = 2 I with I % 16 == 0): y [M, I] = silu(gate) * up of the [gate; up]
+// product, each output written from its gate and up sums as silu_and_mul computes it (quant_linear_silu).
+template <int64_t T, typename OT, bool SILU = false>
 void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias, OT* y, int64_t M, int64_t N,
                 int64_t K) {
   constexpr QuantType t = quant_type(T);
   const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
   if (M <= kGemvRows) {
 #ifdef PAGEDSERVE_QUANT_AVX2
+    if constexpr (SILU) {
+      static_assert(std::is_same_v<OT, float>);
+      // Gate panel g and its up panel: for 1-2 rows one paired call (4-8 chains), for 3-4 one call each (their sums
+      // at acc and acc + 16 M).
+      const int64_t pairs = panels / 2, up = pairs * pstride, I = N / 2;
+      gemv_silu_pairs(
+          pairs, w, pstride,
+          [&](int64_t g, float* acc) {
+            if (M <= 2) {
+              gemv_rows<T, 2, true>(M, x, xs, w + g * pstride, up, K, acc);
+            } else {
+              gemv_rows<T, 1>(M, x, xs, w + g * pstride, pstride, K, acc);
+              gemv_rows<T, 1>(M, x, xs, w + g * pstride + up, pstride, K, acc + M * 16);
+            }
+          },
+          [&](int64_t g, const float* acc) {
+            if (M <= 2) {
+              write_silu8(acc, acc + 16, 32, M, y + g * 16, I);
+            } else {
+              write_silu8(acc, acc + M * 16, 16, M, y + g * 16, I);
+            }
+          });
+      return;
+    }
     // 1-2 rows x 2 panels, 3-4 rows x 1: 4-8 independent chains per k step, enough to hide the FMA
     // latency behind the widening.
     gemv_groups(M, M <= 2 ? 2 : 1, panels, w, pstride, bias, y, N, [&](int np, int64_t p0, float* acc) {
@@ -761,26 +796,44 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
   int64_t MB = std::clamp<int64_t>((65536 / K) / 6 * 6, 48, 240);
   if (M <= 264) MB = (M + 5) / 6 * 6;
   float* wide = M >= 8 * MB && panels * 16 * K <= kWideFloats ? wide_buffer(panels * 16 * K) : nullptr;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    Scratch buf(wide ? 0 : KC * 16), acc(MB * 16);
+  // Threads split units of PU panels: a panel, or (SILU) gate panel u with its up panel u + I / 16, whose sums are
+  // written together (acc: the unit's panel h at h * MB * 16).
+  constexpr int PU = SILU ? 2 : 1;
+  const int64_t units = panels / PU;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    Scratch buf(wide ? 0 : KC * 16), acc(PU * MB * 16);
     if (wide)
-      for (int64_t p = p0; p < p1; ++p) widen_range<T>(w + p * pstride, 0, K, wide + p * K * 16);
+      for (int64_t u = u0; u < u1; ++u)
+        for (int h = 0; h < PU; ++h) {
+          const int64_t p = u + h * units;
+          widen_range<T>(w + p * pstride, 0, K, wide + p * K * 16);
+        }
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t mb = std::min(MB, M - m0);
-      for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-          const int64_t kc = std::min(KC, K - k0);
-          const float* slice = buf.p;
-          if (wide) {
-            slice = wide + (p * K + k0) * 16;
-          } else {
-            widen_range<T>(w + p * pstride, k0, kc, buf.p);
+      for (int64_t u = u0; u < u1; ++u) {
+        for (int h = 0; h < PU; ++h) {
+          const int64_t p = u + h * units;
+          float* a = acc.p + h * MB * 16;
+          for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = std::min(KC, K - k0);
+            const float* slice = buf.p;
+            if (wide) {
+              slice = wide + (p * K + k0) * 16;
+            } else {
+              widen_range<T>(w + p * pstride, k0, kc, buf.p);
+            }
+            for (int64_t r0 = 0; r0 < mb; r0 += 6)
+              run_tile(std::min<int64_t>(6, mb - r0), 1, x + (m0 + r0) * xs + k0, xs, slice, kc, a + r0 * 16, 16,
+                       k0 == 0);
           }
-          for (int64_t r0 = 0; r0 < mb; r0 += 6)
-            run_tile(std::min<int64_t>(6, mb - r0), 1, x + (m0 + r0) * xs + k0, xs, slice, kc, acc.p + r0 * 16, 16,
-                     k0 == 0);
         }
-        write_rows(acc.p, 16, mb, bias, y + m0 * N, N, p * 16, std::min<int64_t>(16, N - p * 16));
+        if constexpr (SILU) {
+#ifdef PAGEDSERVE_QUANT_AVX2
+          write_silu8(acc.p, acc.p + MB * 16, 16, mb, y + m0 * (N / 2) + u * 16, N / 2);
+#endif
+        } else {
+          write_rows(acc.p, 16, mb, bias, y + m0 * N, N, u * 16, std::min<int64_t>(16, N - u * 16));
+        }
       }
     }
   });
@@ -2889,6 +2942,31 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, i
   return y;
 }
 
+// SwiGLU over quant_linear: silu(gate) * up of y = x @ W.T, W = [gate; up] (N = 2 I rows, I % 16 == 0, no bias),
+// float32 x and out [M, I]: the same bits as silu_and_mul(quant_linear(x, ..., float32)), fused where AVX2 + FMA + F16C
+// are built (the [M, 2 I] product is never written: the many-rows kernel's epilogue, or for few rows each gate panel
+// with its up panel in one GEMV task), else those two ops.
+torch::Tensor quant_linear_silu(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
+                                int64_t K) {
+  using namespace quant_detail;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "quant_linear_silu: x must be float32");
+  TORCH_CHECK(N > 0 && N % 32 == 0, "quant_linear_silu: n must be 2 I with I a multiple of 16, got ", N);
+  const torch::Tensor& p = checked_linear(x, packed, type, N, K, torch::kFloat32, "quant_linear_silu");
+#ifdef PAGEDSERVE_QUANT_AVX2
+  const int64_t M = x.size(0);
+  auto y = matmul_output(M, N / 2, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = p.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  dispatch_type(type, [&]<int64_t T>() { quant_gemm<T, float, true>(xp, x.stride(0), wp, nullptr, yp, M, N, K); });
+  return y;
+#else
+  (void)p;
+  return silu_and_mul(quant_linear(x, packed, type, N, K, c10::nullopt, torch::kFloat32));
+#endif
+}
+
 bool has_quant_bf16() {
 #ifdef PAGEDSERVE_QUANT_BF16
   return true;
@@ -3096,17 +3174,21 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
   dispatch_type(type, [&]<int64_t T>() {
     constexpr QuantType t = quant_type(T);
     const int64_t pstride = 16 * (K / t.block_size) * t.block_bytes, up = pairs * pstride;
+    const auto silu = [&](int64_t g, const float* acc) {
+      for (int64_t r = 0; r < M; ++r) silu_store16(acc + r * 32, 16, yp + r * pairs * 16 + g * 16);
+    };
 #ifdef PAGEDSERVE_QUANT_AMX
     if (route.amx) {
       gemv_silu_pairs<kAmxGemvRows>(
-          M, pairs, wp, pstride, yp,
-          [&](int64_t g, float* acc) { gemv_amx<T, 2, true>(xp, xs, wp + g * pstride, up, K, acc, 32); },
+          pairs, wp, pstride,
+          [&](int64_t g, float* acc) { gemv_amx<T, 2, true>(xp, xs, wp + g * pstride, up, K, acc, 32); }, silu,
           [&] { return amx::Tiles(static_cast<int>(M)); });
       return;
     }
 #endif
-    gemv_silu_pairs(M, pairs, wp, pstride, yp,
-                    [&](int64_t g, float* acc) { gemv_bf16_rows<T, 2, true>(M, xp, xs, wp + g * pstride, up, K, acc); });
+    gemv_silu_pairs(
+        pairs, wp, pstride,
+        [&](int64_t g, float* acc) { gemv_bf16_rows<T, 2, true>(M, xp, xs, wp + g * pstride, up, K, acc); }, silu);
   });
   return y;
 #else
