@@ -66,10 +66,16 @@ def test_windows_match_float64_and_stay_row_kernels(ext, case):
                                                   torch.tensor([0, hi - lo]), D**-0.5, window)
                          for lo, hi in zip(CUTS[:-1], CUTS[1:], strict=True)]
                 assert torch.equal(torch.cat(parts), out[37:]), (window, amx)
-                # The same rows among others of a step (the _into entry: a step's prefill rows among its decodes).
+                # q as a model hands it over: heads of a wider qkv row (row stride (H + 3) D), read in place.
+                qkv = torch.zeros(237, (H + 3) * D, dtype=qdtype)
+                qkv[:, : H * D] = q.flatten(1)
+                strided = qkv[:, : H * D].view(237, H, D)
+                assert torch.equal(ext.paged_attention_rows(strided, kc, vc, bt, SEQ_LENS, QSL, D**-0.5, window), out)
+                # The same rows among others of a step (the _into entry: a step's prefill rows among its decodes), q
+                # strided as well.
                 rows = torch.arange(3, 240)
                 into = torch.zeros(240, H, D, dtype=qdtype)
-                wide = torch.zeros(240, H, D, dtype=qdtype)
+                wide = torch.zeros(240, (H + 3) * D, dtype=qdtype)[:, : H * D].view(240, H, D)
                 wide[3:] = q
                 ext.paged_attention_rows_into(wide, kc, vc, bt, SEQ_LENS, QSL, rows, into, D**-0.5, window)
                 assert torch.equal(into[3:], out) and (into[:3] == 0).all()

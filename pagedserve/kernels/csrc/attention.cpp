@@ -458,10 +458,12 @@ inline void transpose_keys(const S* k_cache, const int64_t* table, int64_t BS, i
   }
 }
 
+// q: row r at q + rw[r] * qs (rw null: r), heads contiguous; out: row r at out + rw[r] * H * D (contiguous rows), so a
+// step's prefill rows are read in place from the qkv projection and written among its decode rows with no copies.
 template <typename S>
-void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const int64_t* block_tables,
-                       const int64_t* seq_lens, const int64_t* qsl, float* out, int64_t B, int64_t H, int64_t KVH,
-                       int64_t D, int64_t BS, int64_t W, float scale, int64_t window) {
+void rows_kernel_tiled(const float* q, int64_t qs, const int64_t* rw, const S* k_cache, const S* v_cache,
+                       const int64_t* block_tables, const int64_t* seq_lens, const int64_t* qsl, float* out, int64_t B,
+                       int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t W, float scale, int64_t window) {
   using fixed::kMR;
   using fixed::kNR;
   const int64_t group = H / KVH, row = KVH * D, block_stride = BS * row;
@@ -514,8 +516,10 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
       float* tmp = align64(tbuf, kMR * kNR);
       std::fill(acc, acc + KVH * M * D, 0.f);
       for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-        for (int64_t i = 0; i < R; ++i)
-          std::copy(q + ((r0 + i) * H + kvh * group) * D, q + ((r0 + i) * H + kvh * group + group) * D, qv + i * group * D);
+        for (int64_t i = 0; i < R; ++i) {
+          const float* qr = q + (rw ? rw[r0 + i] : r0 + i) * qs + kvh * group * D;
+          std::copy(qr, qr + group * D, qv + i * group * D);
+        }
         float* skv = sc + kvh * M * stride;
         // Scores: kT = the next (up to) 16 keys transposed, [D][16]; every query vector times them. From the shared
         // transposition its chunks are the sequence's 16-key chunks (from the one holding L_min: a window's scores
@@ -575,7 +579,8 @@ void rows_kernel_tiled(const float* q, const S* k_cache, const S* v_cache, const
           }
         }
         for (int64_t i = 0; i < R; ++i)
-          std::copy(akv + i * group * D, akv + (i + 1) * group * D, out + ((r0 + i) * H + kvh * group) * D);
+          std::copy(akv + i * group * D, akv + (i + 1) * group * D,
+                    out + ((rw ? rw[r0 + i] : r0 + i) * H + kvh * group) * D);
       }
     }
   });
@@ -1924,6 +1929,15 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
     return res;
   }
 #endif
+  const float sc = static_cast<float>(scale);
+  if (D % 16 == 0 && q.scalar_type() == torch::kFloat32) {  // q read in place, rows written in place
+    auto res = rows ? *out : torch::empty({T, H, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
+    dispatch_float_bf16(k_cache, "paged_attention_rows", [&]<typename S>() {
+      strict::rows_kernel_tiled<S>(q.data_ptr<float>(), q.stride(0), rw, ptr<S>(k_cache), ptr<S>(v_cache), bt, sl, qsl,
+                                   res.data_ptr<float>(), B, H, KVH, D, BS, W, sc, window);
+    });
+    return res;
+  }
   if (rows) {  // the other routes: gather the rows, run them in order, scatter the result
     auto res = rows_attention(q.index_select(0, *rows), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                               scale, window, nullptr, nullptr);
@@ -1932,10 +1946,9 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   }
   auto qf = q.to(torch::kFloat32).contiguous();
   auto res = torch::empty({T, H, D}, qf.options());
-  const float sc = static_cast<float>(scale);
   if (D % 16 == 0) {
     dispatch_float_bf16(k_cache, "paged_attention_rows", [&]<typename S>() {
-      strict::rows_kernel_tiled<S>(qf.data_ptr<float>(), ptr<S>(k_cache), ptr<S>(v_cache), bt, sl, qsl,
+      strict::rows_kernel_tiled<S>(qf.data_ptr<float>(), H * D, nullptr, ptr<S>(k_cache), ptr<S>(v_cache), bt, sl, qsl,
                                    res.data_ptr<float>(), B, H, KVH, D, BS, W, sc, window);
     });
   } else if (k_cache.scalar_type() == torch::kFloat32) {
