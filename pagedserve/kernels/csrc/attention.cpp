@@ -534,6 +534,11 @@ void rows_kernel_tiled(const float* q, int64_t qs, const int64_t* rw, const S* k
           }
           for (int64_t m0 = 0; m0 < M; m0 += kMR) {
             const int64_t Rm = std::min(kMR, M - m0);
+            if (kall) {  // a 16-key chunk of the sequence: its 16 columns of the score rows (stride is 16 past j0)
+              fixed::tile_rows<float, kNR, false>(Rm, qv + m0 * D, D, kTc, kNR, D, skv + m0 * stride + j0, stride,
+                                                  scale);
+              continue;
+            }
             fixed::tile_rows<float, kNR, false>(Rm, qv + m0 * D, D, kTc, kNR, D, tmp, kNR);
             for (int64_t m = 0; m < Rm; ++m)
               for (int64_t t = 0; t < n; ++t) skv[(m0 + m) * stride + j0 + t] = tmp[m * kNR + t] * scale;

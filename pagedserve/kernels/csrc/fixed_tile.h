@@ -31,10 +31,11 @@ inline __m256 wload8(const uint16_t* p) {  // bf16 is the top half of a float32
 #endif
 
 // PS > 0: the panel's row stride known at compile time (packed weights: 16), else `ps`. ACC: start from
-// acc (a template parameter, so the accumulators stay in registers either way).
+// acc (a template parameter, so the accumulators stay in registers either way). scale (not ACC): each chain's sum is
+// stored times scale (one more rounding: the product a caller would take of the stored sum).
 template <int R, typename WT, int64_t PS, bool ACC>
 inline void tile(const float* x, int64_t xs, const WT* panel, int64_t ps_, int64_t K,
-                 float* acc, int64_t as) {
+                 float* acc, int64_t as, float scale = 1.f) {
   const int64_t ps = PS > 0 ? PS : ps_;
   constexpr bool accumulate = ACC;
 #ifdef PAGEDSERVE_FIXED_AVX2
@@ -55,9 +56,15 @@ inline void tile(const float* x, int64_t xs, const WT* panel, int64_t ps_, int64
       c1[r] = _mm256_fmadd_ps(a, w1, c1[r]);
     }
   }
+  const __m256 s = _mm256_set1_ps(scale);
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc + r * as, c0[r]);
-    _mm256_storeu_ps(acc + r * as + 8, c1[r]);
+    if constexpr (!accumulate) {  // (times 1: the sum itself)
+      _mm256_storeu_ps(acc + r * as, _mm256_mul_ps(c0[r], s));
+      _mm256_storeu_ps(acc + r * as + 8, _mm256_mul_ps(c1[r], s));
+    } else {
+      _mm256_storeu_ps(acc + r * as, c0[r]);
+      _mm256_storeu_ps(acc + r * as + 8, c1[r]);
+    }
   }
 #else
   if constexpr (!accumulate)
@@ -67,19 +74,22 @@ inline void tile(const float* x, int64_t xs, const WT* panel, int64_t ps_, int64
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < kNR; ++j)
         acc[r * as + j] = std::fma(x[r * xs + k], Elem<WT>::load(panel[k * ps + j]), acc[r * as + j]);
+  if constexpr (!accumulate)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < kNR; ++j) acc[r * as + j] *= scale;
 #endif
 }
 
 template <typename WT, int64_t PS, bool ACC>
 inline void tile_rows(int64_t R, const float* x, int64_t xs, const WT* panel, int64_t ps, int64_t K, float* acc,
-                      int64_t as) {
+                      int64_t as, float scale = 1.f) {
   switch (R) {
-    case 1: tile<1, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
-    case 2: tile<2, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
-    case 3: tile<3, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
-    case 4: tile<4, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
-    case 5: tile<5, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
-    default: tile<6, WT, PS, ACC>(x, xs, panel, ps, K, acc, as); break;
+    case 1: tile<1, WT, PS, ACC>(x, xs, panel, ps, K, acc, as, scale); break;
+    case 2: tile<2, WT, PS, ACC>(x, xs, panel, ps, K, acc, as, scale); break;
+    case 3: tile<3, WT, PS, ACC>(x, xs, panel, ps, K, acc, as, scale); break;
+    case 4: tile<4, WT, PS, ACC>(x, xs, panel, ps, K, acc, as, scale); break;
+    case 5: tile<5, WT, PS, ACC>(x, xs, panel, ps, K, acc, as, scale); break;
+    default: tile<6, WT, PS, ACC>(x, xs, panel, ps, K, acc, as, scale); break;
   }
 }
 
