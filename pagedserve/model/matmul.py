@@ -344,14 +344,14 @@ class MatmulRoutes:
         kernels.silu_and_mul: on the QUANT_BF16 route with bf16 x, or the QUANT route with float32 x, and a single
         block type; None elsewhere."""
         route = self.route_for(x)
+        bf16 = route == Route.QUANT_BF16 and x.dtype == torch.bfloat16
+        if not (bf16 or (route == Route.QUANT and x.dtype == torch.float32)):
+            return None
         if self.float32_out or len(self.quant) != 1 or self.quant[0].n % 32:
             return None
         p = self.quant[0]
-        if route == Route.QUANT_BF16 and x.dtype == torch.bfloat16:
-            return self.kernels.quant_linear_bf16_silu(x, p.packed, p.type_id, p.n)
-        if route == Route.QUANT and x.dtype == torch.float32:
-            return self.kernels.quant_linear_silu(x, p.packed, p.type_id, p.n)
-        return None
+        fused = self.kernels.quant_linear_bf16_silu if bf16 else self.kernels.quant_linear_silu
+        return fused(x, p.packed, p.type_id, p.n)
 
     @property
     def one_route(self) -> bool:

@@ -126,3 +126,33 @@ def test_int8_route_is_for_few_rows_of_its_block_types(kernels):
             routes.quant = parts
             routes.setup(torch.empty(16 * len(parts), 256), km, pack=False, batch_hint=8, batch_invariant=False)
             assert routes.few_rows == want
+
+
+def test_swiglu_is_one_call_on_the_float32_quant_route_and_none_elsewhere(kernels):
+    """MatmulRoutes.silu_and_mul: on the QUANT route with float32 x (one block type, 2 I % 32 == 0), quant_linear_silu
+    — the bits of the matmul then kernels.silu_and_mul — at few and many rows; None where no fused form applies (a
+    plain weight with no blocks, e.g. a draft model's; bf16 x on the float32 route; two block types; I = 8)."""
+    from pagedserve.model.matmul import QuantPart
+
+    _, (_, raw) = q4_1_weight(n=64)  # [gate; up], I = 32
+    routes = MatmulRoutes()
+    routes.quant = [QuantPart(3, kernels.quant_pack(raw, 3), 64)]
+    routes.setup(torch.empty(64, 64), kernels, pack=False, batch_hint=8)
+    assert (routes.few_rows, routes.many_rows) == (Route.QUANT, Route.QUANT)
+    for m in (1, 3, 40):
+        x = torch.randn(m, 64)
+        got = routes.silu_and_mul(x)
+        assert got is not None and torch.equal(got, kernels.silu_and_mul(routes(x, None, None)))
+    assert routes.silu_and_mul(torch.randn(2, 64).bfloat16()) is None
+    plain = MatmulRoutes()
+    plain.setup(torch.randn(64, 64), kernels, pack=False, batch_hint=8)
+    assert plain.quant is None and plain.silu_and_mul(torch.randn(2, 64)) is None
+    _, (_, raw16) = q4_1_weight(n=16)
+    small = MatmulRoutes()
+    small.quant = [QuantPart(3, kernels.quant_pack(raw16, 3), 16)]
+    small.setup(torch.empty(16, 64), kernels, pack=False, batch_hint=8)
+    assert small.silu_and_mul(torch.randn(2, 64)) is None
+    two = MatmulRoutes()
+    two.quant = [QuantPart(3, kernels.quant_pack(raw16, 3), 16), QuantPart(3, kernels.quant_pack(raw16, 3), 16)]
+    two.setup(torch.empty(32, 64), kernels, pack=False, batch_hint=8)
+    assert two.silu_and_mul(torch.randn(2, 64)) is None
