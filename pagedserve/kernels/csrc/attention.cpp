@@ -1935,13 +1935,15 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   }
 #endif
   const float sc = static_cast<float>(scale);
-  if (D % 16 == 0 && q.scalar_type() == torch::kFloat32) {  // q read in place, rows written in place
-    auto res = rows ? *out : torch::empty({T, H, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
+  const bool f32 = q.scalar_type() == torch::kFloat32;
+  if (D % 16 == 0 && (f32 || !rows)) {  // the tiled kernel: q read with its row stride, rows written in place
+    const torch::Tensor qf = f32 ? q : q.to(torch::kFloat32).contiguous();
+    auto res = rows ? *out : torch::empty({T, H, D}, qf.options().memory_format(torch::MemoryFormat::Contiguous));
     dispatch_float_bf16(k_cache, "paged_attention_rows", [&]<typename S>() {
-      strict::rows_kernel_tiled<S>(q.data_ptr<float>(), q.stride(0), rw, ptr<S>(k_cache), ptr<S>(v_cache), bt, sl, qsl,
-                                   res.data_ptr<float>(), B, H, KVH, D, BS, W, sc, window);
+      strict::rows_kernel_tiled<S>(qf.data_ptr<float>(), qf.stride(0), rw, ptr<S>(k_cache), ptr<S>(v_cache), bt, sl,
+                                   qsl, res.data_ptr<float>(), B, H, KVH, D, BS, W, sc, window);
     });
-    return res;
+    return f32 ? res : res.to(q.scalar_type());
   }
   if (rows) {  // the other routes: gather the rows, run them in order, scatter the result
     auto res = rows_attention(q.index_select(0, *rows), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -1951,12 +1953,7 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   }
   auto qf = q.to(torch::kFloat32).contiguous();
   auto res = torch::empty({T, H, D}, qf.options());
-  if (D % 16 == 0) {
-    dispatch_float_bf16(k_cache, "paged_attention_rows", [&]<typename S>() {
-      strict::rows_kernel_tiled<S>(qf.data_ptr<float>(), H * D, nullptr, ptr<S>(k_cache), ptr<S>(v_cache), bt, sl, qsl,
-                                   res.data_ptr<float>(), B, H, KVH, D, BS, W, sc, window);
-    });
-  } else if (k_cache.scalar_type() == torch::kFloat32) {
+  if (k_cache.scalar_type() == torch::kFloat32) {
     strict::rows_kernel<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, sl, qsl,
                                res.data_ptr<float>(), B, H, KVH, D, BS, W, sc, window);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
@@ -1966,7 +1963,7 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   } else {
     TORCH_CHECK(false, "paged_attention_rows: cache dtype must be float32 or bfloat16");
   }
-  return q.scalar_type() == torch::kFloat32 ? res : res.to(q.scalar_type());
+  return f32 ? res : res.to(q.scalar_type());
 }
 }  // namespace
 
