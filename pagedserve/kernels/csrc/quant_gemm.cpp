@@ -215,6 +215,10 @@ void dequant_block(const uint8_t* b, float* out) {
   }
 }
 
+// Fully unrolled before GCC scalarizes the accumulator arrays: without it GCC 12 keeps them in memory and
+// stores every accumulator at every k step (measured: 2.5x slower tiles).
+#define PAGEDSERVE_UNROLL _Pragma("GCC unroll 32")
+
 // ---- widening a 32-k sub-block of a packed block: out[i * 16 + r] = W[row r, k0 + i] ------------------
 
 #ifdef PAGEDSERVE_QUANT_AVX2
@@ -227,15 +231,6 @@ inline __m256 u8lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v
 inline __m256 u8hi(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))); }
 inline __m256 i8lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 inline __m256 i8hi(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))); }
-// 1 << b in every dword lane of v[b], b < 8 (Q5_0's fifth bits).
-struct Bit8 {
-  alignas(32) int32_t v[8][8];
-  constexpr Bit8() : v() {
-    for (int b = 0; b < 8; ++b)
-      for (int l = 0; l < 8; ++l) v[b][l] = 1 << b;
-  }
-};
-inline constexpr Bit8 kBit8{};
 // The low (hi false) or high nibbles of 8 rows' bytes at p, as floats: zero-extended straight from memory into
 // dword lanes, then masked or shifted. Two lane-crossing shuffles per 16 rows where u8lo / u8hi of a 16-byte load
 // take three: on Zen 3 (AVX2) the few-rows float32 GEMV is bound by its shuffles, and this form runs Q4_0 / Q4_1 /
@@ -245,13 +240,14 @@ inline __m256 nibbles8(const uint8_t* p, bool hi) {
   return _mm256_cvtepi32_ps(hi ? _mm256_srli_epi32(z, 4) : _mm256_and_si256(z, _mm256_set1_epi32(0x0F)));
 }
 inline __m128i bytes(int v) { return _mm_set1_epi8(static_cast<char>(v)); }
+// 8 signed bytes at p as floats (sign-extended straight from memory).
+inline __m256 sbytes8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void store_pair(int8_t* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i ld256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 // (v >> sh) & 0xF per byte.
 inline __m128i nibble(__m128i v, int sh) { return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(sh)), bytes(0x0F)); }
-// ((v >> bit) & 1) << 4 per byte.
-inline __m128i bit4(__m128i v, int bit) {
-  const __m128i m = bytes(1 << bit);
-  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, m), m), bytes(0x10));
-}
 // Q4_K/Q5_K's 6-bit scale and min of sub-block s for the 16 rows (k_scale_min on 16 lanes): S is the packed
 // block's 12 planar scale bytes.
 inline void k_scale_min16(const uint8_t* S, int s, __m128i& sc, __m128i& mn) {
@@ -270,14 +266,48 @@ inline void put(float* o, __m256 a, __m256 b) {
   _mm256_storeu_ps(o + 8, b);
 }
 
+// The quant bytes of a 32-block type's packed block for the 16 rows, qb[k * 16 + r], two k per instruction: qs its 16
+// quant planes (byte i of a row: weight i's nibble, weight 16 + i's above it), qh its 4 fifth-bit planes (bit k % 8 of
+// plane k / 8: weight k's), Set / Clear or'ed in where weight k's fifth bit is set / clear (both 0: no fifth bit).
+template <int Set, int Clear>
+inline void nibble_bytes(const uint8_t* qs, const uint8_t* qh, int8_t* qb) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < 16; i += 2) {  // planes i, i + 1: k = i, i + 1 (low nibbles) and 16 + i, 17 + i (high)
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * 16));
+    __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+    if constexpr (Set != 0 || Clear != 0) {
+      const __m256i m = _mm256_setr_m128i(_mm_set1_epi8(static_cast<char>(1 << (i % 8))),
+                                          _mm_set1_epi8(static_cast<char>(1 << (i % 8 + 1))));
+      const auto fifth = [&](__m256i u, int plane) {  // plane broadcast to both halves; 0xFF where the bit is set
+        const __m256i f = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_broadcastsi128_si256(ld(qh + plane * 16)), m), m);
+        if constexpr (Set != 0) u = _mm256_or_si256(u, _mm256_and_si256(f, _mm256_set1_epi8(static_cast<char>(Set))));
+        if constexpr (Clear != 0)
+          u = _mm256_or_si256(u, _mm256_andnot_si256(f, _mm256_set1_epi8(static_cast<char>(Clear))));
+        return u;
+      };
+      lo = fifth(lo, i / 8);
+      hi = fifth(hi, 2 + i / 8);
+    }
+    store_pair(qb + i * 16, lo);
+    store_pair(qb + (16 + i) * 16, hi);
+  }
+}
+
 // The weights of one k (i of a 32-k sub-block s) for the 16 rows of a packed block, as two float32 vectors
 // (rows 0-7, 8-15). init() reads the sub-block's scales once; get<HI>(i) widens k = i (HI: k = 16 + i).
-template <int64_t T>
+// The byte form (kBytes): init assembles the sub-block's quants as bytes (qb[k * 16 + r], 32 per instruction) and get
+// sign-extends 8 straight from memory (vpmovsxbd m64) -- the 5- and 6-bit types always (in registers their quants took
+// 6-8 ops per 8 weights: 1.44x / 1.46x at 1 row for Q5_0 / Q6_K on a Zen 3), Q4_0 / Q4_1 only in the few-rows GEMV
+// (Few: one op less per 8 weights, 1.03-1.07x at 1-4 rows; widen_sub's float buffer pays the stores, 0.98x). Q4_K
+// gains nothing from it (nibbles8 as its Q4 siblings') and Q8_0's quants are bytes already.
+template <int64_t T, bool Few = false>
 struct Widen {
-  const uint8_t* q;  // the quant plane of the sub-block
-  const uint8_t* h;  // the high-bit plane (Q5_0, Q5_1, Q5_K, Q6_K)
-  int sh, hs;        // nibble shift (K-quants), high-bit shift (Q5_K: bit, Q6_K: shift)
-  alignas(32) int32_t zh[T == kQ5_0 ? 64 : 1];  // Q5_0: qh plane j's 16 rows (bytes j of their qh) as dwords, 16 j
+  static constexpr bool kBytes =
+      T == kQ5_0 || T == kQ5_1 || T == kQ5_K || T == kQ6_K || (Few && (T == kQ4_0 || T == kQ4_1));
+  const uint8_t* q;  // the quant plane of the sub-block (Q8_0, Q4_K, Q4_0 / Q4_1 without the byte form)
+  int sh;            // Q4_K's nibble shift
+  alignas(32) int8_t qb[kBytes ? 512 : 1];
   __m256 a0, a1, b0, b1;  // d (or d * scale), and m (or -8 d, or dmin * min, or Q6_K's second scale)
 
   inline void init(const uint8_t* pb, int s) {
@@ -288,21 +318,12 @@ struct Widen {
       b0 = _mm256_mul_ps(a0, _mm256_set1_ps(-8.f));
       b1 = _mm256_mul_ps(a1, _mm256_set1_ps(-8.f));
       q = pb + 32;
-    } else if constexpr (T == kQ4_1) {
+    } else if constexpr (T == kQ5_0) {  // q - 16 as a byte: nibble | 0xF0 where the fifth bit is clear
+      nibble_bytes<0, 0xF0>(pb + 96, pb + 32, qb);
+    } else if constexpr (T == kQ4_1 || T == kQ5_1) {  // Q5_1: q as a byte, nibble | 0x10 if set
       halves(pb + 32, b0, b1);
-      q = pb + 64;
-    } else if constexpr (T == kQ5_0) {  // -16 d (exact), and the 4 qh planes' rows as dword lanes
-      b0 = _mm256_mul_ps(a0, _mm256_set1_ps(-16.f));
-      b1 = _mm256_mul_ps(a1, _mm256_set1_ps(-16.f));
-      h = pb + 32;
-      q = pb + 96;
-      for (int j = 0; j < 8; ++j)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(zh + 8 * j),
-                           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + 8 * j))));
-    } else if constexpr (T == kQ5_1) {
-      halves(pb + 32, b0, b1);
-      h = pb + 64;
-      q = pb + 128;
+      q = pb + (T == kQ4_1 ? 64 : 128);
+      if constexpr (T == kQ5_1) nibble_bytes<0x10, 0>(q, pb + 64, qb);
     } else if constexpr (T == kQ4_K || T == kQ5_K) {
       __m256 m0, m1;
       halves(pb + 32, m0, m1);
@@ -315,24 +336,44 @@ struct Widen {
       a1 = _mm256_mul_ps(a1, u8hi(sc));
       q = pb + (T == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
       sh = 4 * (s & 1);
-      h = pb + 256;
-      hs = s;
+      if constexpr (T == kQ5_K) {  // q = nibble | bit s of qh plane k, moved to bit 4
+        const __m128i nsh = _mm_cvtsi32_si128(sh), up = _mm_cvtsi32_si128(s <= 4 ? 4 - s : 0),
+                      down = _mm_cvtsi32_si128(s <= 4 ? 0 : s - 4);
+        const __m256i lo4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+        PAGEDSERVE_UNROLL
+        for (int k = 0; k < 32; k += 2) {
+          const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ld256(q + k * 16), nsh), lo4);
+          const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_sll_epi16(ld256(pb + 256 + k * 16), up), down), b4);
+          store_pair(qb + k * 16, _mm256_or_si256(lo, hi));
+        }
+      }
     } else {  // Q6_K: k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
       const __m128i sa = ld(pb + 32 + (2 * s) * 16), sb = ld(pb + 32 + (2 * s + 1) * 16);
       b0 = _mm256_mul_ps(a0, i8lo(sb));
       b1 = _mm256_mul_ps(a1, i8hi(sb));
       a0 = _mm256_mul_ps(a0, i8lo(sa));
       a1 = _mm256_mul_ps(a1, i8hi(sa));
-      q = pb + 288 + ((s / 4) * 64 + (s % 2) * 32) * 16;
-      sh = 4 * ((s / 2) % 2);
-      h = pb + 2336 + (s / 4) * 32 * 16;
-      hs = 2 * (s % 4);
+      // q - 32 = (ql's nibble | qh's 2 bits at `bit` moved to bits 4, 5) - 32
+      const uint8_t* ql = pb + 288 + ((s / 4) * 64 + (s % 2) * 32) * 16;
+      const uint8_t* qh = pb + 2336 + (s / 4) * 32 * 16;
+      const __m128i nsh = _mm_cvtsi32_si128(4 * ((s / 2) % 2));
+      const int bit = 2 * (s % 4);
+      const __m128i up = _mm_cvtsi32_si128(bit <= 4 ? 4 - bit : 0), down = _mm_cvtsi32_si128(bit <= 4 ? 0 : bit - 4);
+      const __m256i lo4 = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+      PAGEDSERVE_UNROLL
+      for (int k = 0; k < 32; k += 2) {
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ld256(ql + k * 16), nsh), lo4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_sll_epi16(ld256(qh + k * 16), up), down), b45);
+        store_pair(qb + k * 16, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off));
+      }
     }
+    if constexpr (kBytes && (T == kQ4_0 || T == kQ4_1)) nibble_bytes<0, 0>(q, nullptr, qb);
   }
 
   template <bool HI>
   inline void get(int i, __m256& w0, __m256& w1) const {
     const int k = HI ? 16 + i : i;
+    const int8_t* b = qb + k * 16;
     if constexpr (T == kQ8_0) {  // two 8-byte loads straight into vpmovsxbd (no shuffle for the high half)
       const __m128i v0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16));
       const __m128i v1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16 + 8));
@@ -341,39 +382,23 @@ struct Widen {
     } else if constexpr (T == kQ4_0 || T == kQ4_1) {
       // byte i of a row holds weight i (low nibble) and 16 + i (high). d q + m, or Q4_0's d (q - 8) as fma(q, d,
       // -8 d): d q and 8 d are exact, so is their difference, the product the reference rounds.
-      w0 = _mm256_fmadd_ps(a0, nibbles8(q + i * 16, HI), b0);
-      w1 = _mm256_fmadd_ps(a1, nibbles8(q + i * 16 + 8, HI), b1);
-    } else if constexpr (T == kQ5_0) {
-      // d (q - 16) as fma(nibble, d, c): q's fifth bit (bit k % 8 of row's qh byte k / 8, kept as dwords by init)
-      // chooses c = 0 (set) or -16 d; d * nibble and 16 d are exact, so is the sum, the product the reference rounds.
-      const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(kBit8.v[k % 8]));
-      const auto high = [&](int r0) {
-        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(zh + (k / 8) * 16 + r0));
-        return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(v, m), m));
-      };
-      w0 = _mm256_fmadd_ps(a0, nibbles8(q + i * 16, HI), _mm256_andnot_ps(high(0), b0));
-      w1 = _mm256_fmadd_ps(a1, nibbles8(q + i * 16 + 8, HI), _mm256_andnot_ps(high(8), b1));
-    } else if constexpr (T == kQ5_1) {
-      // byte i of a row holds weight i (low nibble) and 16 + i (high); weight k's high bit: bit k of qh
-      const __m128i v = ld(q + i * 16);
-      __m128i u = HI ? nibble(v, 4) : _mm_and_si128(v, bytes(0x0F));
-      u = _mm_or_si128(u, bit4(ld(h + (k / 8) * 16), k % 8));
-      w0 = _mm256_add_ps(_mm256_mul_ps(a0, u8lo(u)), b0);  // d * q + m
-      w1 = _mm256_add_ps(_mm256_mul_ps(a1, u8hi(u)), b1);
+      w0 = _mm256_fmadd_ps(a0, kBytes ? sbytes8(b) : nibbles8(q + i * 16, HI), b0);
+      w1 = _mm256_fmadd_ps(a1, kBytes ? sbytes8(b + 8) : nibbles8(q + i * 16 + 8, HI), b1);
+    } else if constexpr (T == kQ5_0) {  // d (q - 16), exact
+      w0 = _mm256_mul_ps(a0, sbytes8(b));
+      w1 = _mm256_mul_ps(a1, sbytes8(b + 8));
+    } else if constexpr (T == kQ5_1) {  // d * q + m
+      w0 = _mm256_add_ps(_mm256_mul_ps(a0, sbytes8(b)), b0);
+      w1 = _mm256_add_ps(_mm256_mul_ps(a1, sbytes8(b + 8)), b1);
     } else if constexpr (T == kQ4_K) {  // d * scale * q - dmin * min
       w0 = _mm256_fmsub_ps(a0, nibbles8(q + k * 16, sh != 0), b0);
       w1 = _mm256_fmsub_ps(a1, nibbles8(q + k * 16 + 8, sh != 0), b1);
     } else if constexpr (T == kQ5_K) {  // d * scale * q - dmin * min
-      const __m128i u = _mm_or_si128(nibble(ld(q + k * 16), sh), bit4(ld(h + k * 16), hs));
-      w0 = _mm256_sub_ps(_mm256_mul_ps(a0, u8lo(u)), b0);
-      w1 = _mm256_sub_ps(_mm256_mul_ps(a1, u8hi(u)), b1);
+      w0 = _mm256_sub_ps(_mm256_mul_ps(a0, sbytes8(b)), b0);
+      w1 = _mm256_sub_ps(_mm256_mul_ps(a1, sbytes8(b + 8)), b1);
     } else {  // Q6_K: d * scale * (q - 32)
-      const __m128i lo = nibble(ld(q + k * 16), sh);
-      const __m128i hi =
-          _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(ld(h + k * 16), _mm_cvtsi32_si128(hs)), bytes(0x03)), 4);
-      const __m128i u = _mm_sub_epi8(_mm_or_si128(lo, hi), bytes(32));
-      w0 = _mm256_mul_ps(HI ? b0 : a0, i8lo(u));
-      w1 = _mm256_mul_ps(HI ? b1 : a1, i8hi(u));
+      w0 = _mm256_mul_ps(HI ? b0 : a0, sbytes8(b));
+      w1 = _mm256_mul_ps(HI ? b1 : a1, sbytes8(b + 8));
     }
   }
 };
@@ -416,10 +441,6 @@ inline void widen_range(const uint8_t* panel, int64_t k0, int64_t kc, float* out
 }
 
 // ---- the register tile ----------------------------------------------------------------------------------
-
-// Fully unrolled before GCC scalarizes the accumulator arrays: without it GCC 12 keeps them in memory and
-// stores every accumulator at every k step (measured: 2.5x slower tiles).
-#define PAGEDSERVE_UNROLL _Pragma("GCC unroll 32")
 
 // acc[r * as + p * 16 + j] (+)= chain over k < kc of x[r * xs + k] * buf[(p * kc + k) * 16 + j], for R rows
 // and P panels of 16 columns: the same fma(x, w, acc) steps as fixed_gemm.cpp's tile. FIRST: start the
@@ -537,7 +558,7 @@ inline void prefetch_panels(const uint8_t* panel, int64_t pstride, int64_t step,
 // init_panels: the 32-k step at k0 of P panels (and its share of the stream ahead).
 // Paired: the P = 2 panels are a [gate; up] pair pstride apart (quant_linear_silu), two streams (prefetch_panels).
 template <int64_t T, int P, bool Paired = false>
-inline void init_panels(Widen<T>* wd, const uint8_t* panel, int64_t pstride, int64_t k0) {
+inline void init_panels(Widen<T, true>* wd, const uint8_t* panel, int64_t pstride, int64_t k0) {
   constexpr QuantType t = quant_type(T);
   constexpr int64_t pbb = 16 * t.block_bytes, step_bytes = 16 * t.block_bytes * 32 / t.block_size;
   const int64_t boff = (k0 / t.block_size) * pbb;
@@ -553,7 +574,7 @@ void gemv_panels(const float* x, int64_t xs, const uint8_t* panel, int64_t pstri
   PAGEDSERVE_UNROLL
   for (int i = 0; i < R * P; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    Widen<T> wd[P];
+    Widen<T, true> wd[P];
     init_panels<T, P, Paired>(wd, panel, pstride, k0);
     auto step = [&]<bool HI>(int i) {
       const float* xk = x + k0 + (HI ? 16 + i : i);
