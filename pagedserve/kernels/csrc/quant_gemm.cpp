@@ -337,13 +337,13 @@ struct Widen {
       q = pb + (T == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
       sh = 4 * (s & 1);
       if constexpr (T == kQ5_K) {  // q = nibble | bit s of qh plane k, moved to bit 4
-        const __m128i nsh = _mm_cvtsi32_si128(sh), up = _mm_cvtsi32_si128(s <= 4 ? 4 - s : 0),
-                      down = _mm_cvtsi32_si128(s <= 4 ? 0 : s - 4);
+        const __m128i nsh = _mm_cvtsi32_si128(sh), up = _mm_cvtsi32_si128(4 - s), down = _mm_cvtsi32_si128(s - 4);
         const __m256i lo4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
         PAGEDSERVE_UNROLL
         for (int k = 0; k < 32; k += 2) {
           const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ld256(q + k * 16), nsh), lo4);
-          const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_sll_epi16(ld256(pb + 256 + k * 16), up), down), b4);
+          const __m256i hv = ld256(pb + 256 + k * 16);
+          const __m256i hi = _mm256_and_si256(s <= 4 ? _mm256_sll_epi16(hv, up) : _mm256_srl_epi16(hv, down), b4);
           store_pair(qb + k * 16, _mm256_or_si256(lo, hi));
         }
       }
@@ -358,12 +358,13 @@ struct Widen {
       const uint8_t* qh = pb + 2336 + (s / 4) * 32 * 16;
       const __m128i nsh = _mm_cvtsi32_si128(4 * ((s / 2) % 2));
       const int bit = 2 * (s % 4);
-      const __m128i up = _mm_cvtsi32_si128(bit <= 4 ? 4 - bit : 0), down = _mm_cvtsi32_si128(bit <= 4 ? 0 : bit - 4);
+      const __m128i up = _mm_cvtsi32_si128(4 - bit);  // (bit 6: a right shift by 2)
       const __m256i lo4 = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
       PAGEDSERVE_UNROLL
       for (int k = 0; k < 32; k += 2) {
         const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ld256(ql + k * 16), nsh), lo4);
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_sll_epi16(ld256(qh + k * 16), up), down), b45);
+        const __m256i hv = ld256(qh + k * 16);
+        const __m256i hi = _mm256_and_si256(bit == 6 ? _mm256_srli_epi16(hv, 2) : _mm256_sll_epi16(hv, up), b45);
         store_pair(qb + k * 16, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off));
       }
     }
