@@ -300,7 +300,7 @@ inline void nibble_bytes(const uint8_t* qs, const uint8_t* qh, int8_t* qb) {
 // sign-extends 8 straight from memory (vpmovsxbd m64) -- the 5- and 6-bit types always (in registers their quants took
 // 6-8 ops per 8 weights: 1.44x / 1.46x at 1 row for Q5_0 / Q6_K on a Zen 3), Q4_0 / Q4_1 only in the few-rows GEMV
 // (Few: one op less per 8 weights, 1.03-1.07x at 1-4 rows; widen_sub's float buffer pays the stores, 0.98x). Q4_K
-// gains nothing from it (nibbles8 as its Q4 siblings') and Q8_0's quants are bytes already.
+// keeps nibbles8 (the byte form measured no gain) and Q8_0's quants are bytes already.
 template <int64_t T, bool Few = false>
 struct Widen {
   static constexpr bool kBytes =
