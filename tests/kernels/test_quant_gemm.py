@@ -976,13 +976,17 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
 @pytest.mark.usefixtures("threads")
 @pytest.mark.parametrize("arch", ["native", "x86-64-v3"])
 @pytest.mark.parametrize("route", [7, 9], ids=["float32", "int8"])
-def test_decode_stack_team_on_float32_activations(arch, route):
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1), (6, 3)], ids=["kv2", "kv1", "kv3"])
+def test_decode_stack_team_on_float32_activations(arch, route, heads):
     """A float32 stack on the float32 quantized route (7: quant_linear's AVX2 GEMV, whose groups split through
     team_for) or the int8 activations route (9) runs a step of 1-4 sequences as one team too, with the same bits as a
     parallel region per op. The decode attention splits its tasks in the team: the fused AVX-512 kernel's (native on an
-    AVX-512 CPU), or the AVX2 kernel's (sequence, kv head) tasks (x86-64-v3, an AVX2-only CPU's build).
-    5 sequences take the old path (4 rows at most with a float32 route, AMX or not; the int8 route: 16 on AMX). A bad
-    block table raises inside the team as outside it."""
+    AVX-512 CPU), or the AVX2 kernel's (sequence, kv head) tasks (x86-64-v3, an AVX2-only CPU's build) -- or, where
+    those pairs do not split evenly between 2 threads (1 or 3 of them: 1 or 3 kv heads at 1 sequence, 1 at 3), its
+    passes split in turn (decode_phased: scores by 64-key chunks, softmax by head, P.V by pass), here also over one
+    sequence of 300 keys. 5 sequences take the old path (4 rows at most with a float32 route, AMX or not; the int8
+    route: 16 on AMX). A bad block table raises inside the team as outside it."""
+    H, KVH = heads
     ext = __import__("pagedserve.kernels", fromlist=["x"]).load_extension(arch)
     assert ext is not None
     if route == 9 and not ext.has_quant_i8():
@@ -1008,7 +1012,7 @@ def test_decode_stack_team_on_float32_activations(arch, route):
     x = torch.randn(5, HIDDEN, generator=g)
     w = torch.rand(HIDDEN, generator=g) + 0.5
 
-    def run(b: int, team: bool, tables=tables):
+    def run(b: int, team: bool, tables=tables, lens=lens):
         built = [ext.DecodeLayer(ln1, ln2, *(mats[n] for n in shapes), kc.clone(), vc.clone(), window=window)
                  for (mats, window), (ln1, ln2), (kc, vc) in zip(layers, norms, caches, strict=True)]
         s = ext.DecodeStack(built, H, KVH, 1e-6, D**-0.5, False)
@@ -1034,6 +1038,8 @@ def test_decode_stack_team_on_float32_activations(arch, route):
             assert ext.decode_team_steps() - steps == (2 if team else 0), (nt, b)
             assert ref[0].dtype == torch.float32 and not torch.equal(ref[0], ref[1])
             assert all(torch.equal(r, o) for r, o in zip(ref, got, strict=True)), (nt, b)
+        long = dict(tables=torch.arange(10, 30).unsqueeze(0), lens=torch.tensor([300]))  # 5 key chunks
+        assert all(torch.equal(r, o) for r, o in zip(run(1, False, **long), run(1, True, **long), strict=True)), nt
     bad = tables.clone()
     bad[1, 1] = 99  # outside the 40-block cache
     with pytest.raises(RuntimeError, match="outside the cache|block id"):

@@ -220,9 +220,11 @@ inline __m256 hsum8x8(const __m256* a) {
 // their row pointers once (one table lookup where the 8 keys share a block, as they do for any block size divisible
 // by 8), then each head's 8 dots while the 8 K rows stay in L1 (per head and key, a division and a lookup had cost
 // about as much as the dot product on a Zen 3).
+// (os: the score rows' stride, S where a call covers all of a sequence's keys.)
 template <typename T>
 void legacy_scores(const float* qg, int64_t G, const T* kc, const int64_t* table, int64_t S, int64_t BS,
-                   int64_t block_stride, int64_t row, int64_t D, float scale, float* out, RowStream& ahead, int64_t per) {
+                   int64_t block_stride, int64_t row, int64_t D, float scale, float* out, RowStream& ahead, int64_t per,
+                   int64_t os) {
   const __m256 sv = _mm256_set1_ps(scale);
   int64_t j0 = 0;
   for (; j0 + 8 <= S; j0 += 8) {
@@ -242,7 +244,7 @@ void legacy_scores(const float* qg, int64_t G, const T* kc, const int64_t* table
         const __m256 qv = _mm256_loadu_ps(qh + d);
         for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, load8(kr[t] + d), a[t]);
       }
-      _mm256_storeu_ps(out + g * S + j0, _mm256_mul_ps(hsum8x8(a), sv));
+      _mm256_storeu_ps(out + g * os + j0, _mm256_mul_ps(hsum8x8(a), sv));
     }
   }
   for (; j0 < S; ++j0) {
@@ -252,7 +254,7 @@ void legacy_scores(const float* qg, int64_t G, const T* kc, const int64_t* table
       const float* qh = qg + g * D;
       __m256 a = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), a);
-      out[g * S + j0] = hsum8(a) * scale;
+      out[g * os + j0] = hsum8(a) * scale;
     }
   }
 }
@@ -292,6 +294,77 @@ void legacy_pv_g(int nv, const float* p, int64_t S, const T* vc, const int64_t* 
 }
 #endif
 
+#ifdef __AVX2__
+// decode_kernel's register passes for a decode team whose (sequence, kv head) pairs do not split evenly between its
+// threads (one sequence of Gemma 3's single kv head, or of SmolLM2's three, on 2 threads: one thread had attended a
+// whole pair more while the other waited). Here every pass splits: the scores by 64-key chunks of each pair, the
+// softmax by query head, P.V by its (up to 3 heads, 32-d) passes, the team meeting between them, the scores in the
+// team's scratch. Each score, softmax and P.V output is the chain the one-pass form computes (a key's score is the
+// same whichever 8 keys legacy_scores takes it with), so the same bits. No stream ahead (the team attends one step's
+// rows only).
+template <typename T, typename SpanOf>
+void decode_phased(const float* q, int64_t q_stride, const int64_t* rows, const T* k_cache, const T* v_cache,
+                   int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, const SpanOf& span_of, float scale,
+                   float* out) {
+  constexpr int64_t kChunk = 64;
+  const int64_t G = H / KVH, row = KVH * D, block_stride = BS * row, P = B * KVH;
+  const int64_t chunk = BS * std::max<int64_t>(1, kChunk / BS);  // whole blocks
+  std::vector<int64_t> first(P + 1, 0), units(P + 1, 0);  // per pair: its scores' offset, its chunks before it
+  std::vector<WindowSpan> spans(B);
+  for (int64_t b = 0; b < B; ++b) spans[b] = span_of(b);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t S = spans[p / KVH].S;
+    first[p + 1] = first[p] + G * S;
+    units[p + 1] = units[p] + (S + chunk - 1) / chunk;
+  }
+  std::vector<float>& sc = *g_team.scratch;
+  if (g_team.t == 0) sc.resize(first[P]);
+  team_sync();
+  RowStream none;
+  none.stop();
+  const auto pair_of = [&](int64_t u) {  // the pair of scores chunk u
+    return static_cast<int64_t>(std::upper_bound(units.begin(), units.end(), u) - units.begin()) - 1;
+  };
+  team_for(units[P], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p = pair_of(u), b = p / KVH, kvh = p % KVH, j0 = (u - units[p]) * chunk;
+      const WindowSpan& sp = spans[b];
+      const int64_t r = rows ? rows[b] : b;
+      legacy_scores(q + r * q_stride + kvh * G * D, G, k_cache + kvh * D, sp.table + j0 / BS,
+                    std::min(chunk, sp.S - j0), BS, block_stride, row, D, scale, sc.data() + first[p] + j0, none, 1,
+                    sp.S);
+    }
+  });
+  team_sync();
+  team_for(P * G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const WindowSpan& sp = spans[i / G / KVH];
+      float* r = sc.data() + first[i / G] + (i % G) * sp.S;
+      mask_skipped(r, 1, sp.S, sp.skip);
+      softmax_inplace(r, sp.S);
+    }
+  });
+  team_sync();
+  const int64_t groups = (G + 2) / 3, passes = (D + 31) / 32;
+  team_for(P * groups * passes, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = i / (groups * passes), gi = i / passes % groups * 3, c0 = i % passes * 32;
+      const int64_t b = p / KVH, kvh = p % KVH, r = rows ? rows[b] : b, h0 = kvh * G + gi;
+      const WindowSpan& sp = spans[b];
+      const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 8));
+      const float* pr = sc.data() + first[p] + gi * sp.S;
+      const T* vc = v_cache + kvh * D + c0;
+      float* o = out + (r * H + h0) * D + c0;
+      switch (std::min<int64_t>(3, G - gi)) {
+        case 1: legacy_pv_g<T, 1>(nv, pr, sp.S, vc, sp.table, BS, block_stride, row, D, o, none, 1); break;
+        case 2: legacy_pv_g<T, 2>(nv, pr, sp.S, vc, sp.table, BS, block_stride, row, D, o, none, 1); break;
+        default: legacy_pv_g<T, 3>(nv, pr, sp.S, vc, sp.table, BS, block_stride, row, D, o, none, 1); break;
+      }
+    }
+  });
+}
+#endif
+
 // q: rows of H * D float32 (row r at q + r * q_stride; sequence b's is rows[b], or b where rows is null), out: the same
 // rows of [T, H, D].
 template <typename T>
@@ -311,6 +384,10 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
     // threads (team_for: a decode team's member runs its share; at a step of one sequence its kv heads split). A thread
     // streams the next sequence's rows (of the kv heads it attends there) into L2 while it attends this one's
     // (RowStream: steps spread over the passes of its tasks, what is left asked for when the next sequence starts).
+    if (g_team.t >= 0 && g_team.barrier && g_team.scratch && B * KVH % g_team.n != 0 && B * KVH < 2 * g_team.n) {
+      decode_phased(q, q_stride, rows, k_cache, v_cache, B, H, KVH, D, block_size, span_of, scale, out);
+      return;
+    }
     const int64_t eb = D * static_cast<int64_t>(sizeof(T));
     team_for(B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
@@ -339,7 +416,7 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
         scores.resize(group * S);
         const int64_t r = rows ? rows[b] : b, h0 = kvh * group;
         legacy_scores(q + r * q_stride + h0 * D, group, k_cache + kvh * D, span.table, S, block_size, block_stride, row,
-                      D, scale, scores.data(), ahead, per);
+                      D, scale, scores.data(), ahead, per, S);
         mask_skipped(scores.data(), group, S, span.skip);
         for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * S, S);
         for (int64_t gi = 0; gi < group; gi += 3) {
