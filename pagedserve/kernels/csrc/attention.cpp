@@ -292,6 +292,19 @@ void legacy_pv_g(int nv, const float* p, int64_t S, const T* vc, const int64_t* 
     default: legacy_pv<T, G, 4>(p, S, vc, table, BS, block_stride, row, D, o, ahead, per); break;
   }
 }
+
+// One P.V pass: min(3, heads) heads (their probabilities at p, row stride S) over the 32-d pass at vc / o.
+template <typename T>
+inline void legacy_pv_pass(int64_t heads, int64_t D, int64_t c0, const float* p, int64_t S, const T* vc,
+                           const int64_t* table, int64_t BS, int64_t block_stride, int64_t row, float* o,
+                           RowStream& ahead, int64_t per) {
+  const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 8));
+  switch (std::min<int64_t>(3, heads)) {
+    case 1: legacy_pv_g<T, 1>(nv, p, S, vc, table, BS, block_stride, row, D, o, ahead, per); break;
+    case 2: legacy_pv_g<T, 2>(nv, p, S, vc, table, BS, block_stride, row, D, o, ahead, per); break;
+    default: legacy_pv_g<T, 3>(nv, p, S, vc, table, BS, block_stride, row, D, o, ahead, per); break;
+  }
+}
 #endif
 
 #ifdef __AVX2__
@@ -351,15 +364,8 @@ void decode_phased(const float* q, int64_t q_stride, const int64_t* rows, const 
       const int64_t p = i / (groups * passes), gi = i / passes % groups * 3, c0 = i % passes * 32;
       const int64_t b = p / KVH, kvh = p % KVH, r = rows ? rows[b] : b, h0 = kvh * G + gi;
       const WindowSpan& sp = spans[b];
-      const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 8));
-      const float* pr = sc.data() + first[p] + gi * sp.S;
-      const T* vc = v_cache + kvh * D + c0;
-      float* o = out + (r * H + h0) * D + c0;
-      switch (std::min<int64_t>(3, G - gi)) {
-        case 1: legacy_pv_g<T, 1>(nv, pr, sp.S, vc, sp.table, BS, block_stride, row, D, o, none, 1); break;
-        case 2: legacy_pv_g<T, 2>(nv, pr, sp.S, vc, sp.table, BS, block_stride, row, D, o, none, 1); break;
-        default: legacy_pv_g<T, 3>(nv, pr, sp.S, vc, sp.table, BS, block_stride, row, D, o, none, 1); break;
-      }
+      legacy_pv_pass(G - gi, D, c0, sc.data() + first[p] + gi * sp.S, sp.S, v_cache + kvh * D + c0, sp.table, BS,
+                     block_stride, row, out + (r * H + h0) * D + c0, none, 1);
     }
   });
 }
@@ -420,17 +426,9 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
         mask_skipped(scores.data(), group, S, span.skip);
         for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * S, S);
         for (int64_t gi = 0; gi < group; gi += 3) {
-          for (int64_t c0 = 0; c0 < D; c0 += 32) {
-            const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 8));
-            const float* p = scores.data() + gi * S;
-            const T* vc = v_cache + kvh * D + c0;
-            float* o = out + (r * H + h0 + gi) * D + c0;
-            switch (std::min<int64_t>(3, group - gi)) {
-              case 1: legacy_pv_g<T, 1>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
-              case 2: legacy_pv_g<T, 2>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
-              default: legacy_pv_g<T, 3>(nv, p, S, vc, span.table, block_size, block_stride, row, D, o, ahead, per); break;
-            }
-          }
+          for (int64_t c0 = 0; c0 < D; c0 += 32)
+            legacy_pv_pass(group - gi, D, c0, scores.data() + gi * S, S, v_cache + kvh * D + c0, span.table,
+                           block_size, block_stride, row, out + (r * H + h0 + gi) * D + c0, ahead, per);
         }
       }
     });

@@ -294,6 +294,24 @@ inline void nibble_bytes(const uint8_t* qs, const uint8_t* qh, int8_t* qb) {
   }
 }
 
+// The quant bytes of a K-quant sub-block for the 16 rows, qb[k * 16 + r] (two k per instruction): the nibble at nsh of
+// ql's plane k, or'ed with qh's plane k moved from bit `bit` to bit 4 (one shift) and masked (Mask: Q5_K's one high
+// bit, Q6_K's two), minus Off.
+template <int Mask, int Off>
+inline void nibble_high_bytes(const uint8_t* ql, const uint8_t* qh, int nsh, int bit, int8_t* qb) {
+  const __m128i n = _mm_cvtsi32_si128(nsh), up = _mm_cvtsi32_si128(4 - bit), down = _mm_cvtsi32_si128(bit - 4);
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), mask = _mm256_set1_epi8(Mask);
+  PAGEDSERVE_UNROLL
+  for (int k = 0; k < 32; k += 2) {
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ld256(ql + k * 16), n), lo4);
+    const __m256i hv = ld256(qh + k * 16);
+    __m256i u = _mm256_or_si256(lo, _mm256_and_si256(bit <= 4 ? _mm256_sll_epi16(hv, up) : _mm256_srl_epi16(hv, down),
+                                                      mask));
+    if constexpr (Off != 0) u = _mm256_sub_epi8(u, _mm256_set1_epi8(Off));
+    store_pair(qb + k * 16, u);
+  }
+}
+
 // The weights of one k (i of a 32-k sub-block s) for the 16 rows of a packed block, as two float32 vectors
 // (rows 0-7, 8-15). init() reads the sub-block's scales once; get<HI>(i) widens k = i (HI: k = 16 + i).
 // The byte form (kBytes): init assembles the sub-block's quants as bytes (qb[k * 16 + r], 32 per instruction) and get
@@ -336,37 +354,16 @@ struct Widen {
       a1 = _mm256_mul_ps(a1, u8hi(sc));
       q = pb + (T == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
       sh = 4 * (s & 1);
-      if constexpr (T == kQ5_K) {  // q = nibble | bit s of qh plane k, moved to bit 4
-        const __m128i nsh = _mm_cvtsi32_si128(sh), up = _mm_cvtsi32_si128(4 - s), down = _mm_cvtsi32_si128(s - 4);
-        const __m256i lo4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
-        PAGEDSERVE_UNROLL
-        for (int k = 0; k < 32; k += 2) {
-          const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ld256(q + k * 16), nsh), lo4);
-          const __m256i hv = ld256(pb + 256 + k * 16);
-          const __m256i hi = _mm256_and_si256(s <= 4 ? _mm256_sll_epi16(hv, up) : _mm256_srl_epi16(hv, down), b4);
-          store_pair(qb + k * 16, _mm256_or_si256(lo, hi));
-        }
-      }
+      if constexpr (T == kQ5_K) nibble_high_bytes<0x10, 0>(q, pb + 256, sh, s, qb);  // q: the nibble | bit s of qh
     } else {  // Q6_K: k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
       const __m128i sa = ld(pb + 32 + (2 * s) * 16), sb = ld(pb + 32 + (2 * s + 1) * 16);
       b0 = _mm256_mul_ps(a0, i8lo(sb));
       b1 = _mm256_mul_ps(a1, i8hi(sb));
       a0 = _mm256_mul_ps(a0, i8lo(sa));
       a1 = _mm256_mul_ps(a1, i8hi(sa));
-      // q - 32 = (ql's nibble | qh's 2 bits at `bit` moved to bits 4, 5) - 32
-      const uint8_t* ql = pb + 288 + ((s / 4) * 64 + (s % 2) * 32) * 16;
-      const uint8_t* qh = pb + 2336 + (s / 4) * 32 * 16;
-      const __m128i nsh = _mm_cvtsi32_si128(4 * ((s / 2) % 2));
-      const int bit = 2 * (s % 4);
-      const __m128i up = _mm_cvtsi32_si128(4 - bit);  // (bit 6: a right shift by 2)
-      const __m256i lo4 = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
-      PAGEDSERVE_UNROLL
-      for (int k = 0; k < 32; k += 2) {
-        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ld256(ql + k * 16), nsh), lo4);
-        const __m256i hv = ld256(qh + k * 16);
-        const __m256i hi = _mm256_and_si256(bit == 6 ? _mm256_srli_epi16(hv, 2) : _mm256_sll_epi16(hv, up), b45);
-        store_pair(qb + k * 16, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off));
-      }
+      // q - 32: ql's nibble | qh's 2 bits at 2 (s % 4), moved to bits 4-5
+      nibble_high_bytes<0x30, 32>(pb + 288 + ((s / 4) * 64 + (s % 2) * 32) * 16, pb + 2336 + (s / 4) * 32 * 16,
+                                  4 * ((s / 2) % 2), 2 * (s % 4), qb);
     }
     if constexpr (kBytes && (T == kQ4_0 || T == kQ4_1)) nibble_bytes<0, 0>(q, nullptr, qb);
   }
