@@ -274,7 +274,7 @@ inline void nibble_bytes(const uint8_t* qs, const uint8_t* qh, int8_t* qb) {
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   PAGEDSERVE_UNROLL
   for (int i = 0; i < 16; i += 2) {  // planes i, i + 1: k = i, i + 1 (low nibbles) and 16 + i, 17 + i (high)
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + i * 16));
+    const __m256i v = ld256(qs + i * 16);
     __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
     if constexpr (Set != 0 || Clear != 0) {
       const __m256i m = _mm256_setr_m128i(_mm_set1_epi8(static_cast<char>(1 << (i % 8))),
