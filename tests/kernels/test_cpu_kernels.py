@@ -6,6 +6,7 @@ head sizes that are not multiples of 64). The portable (AVX2) build is checked t
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,6 +17,7 @@ from pagedserve.attention.torch_ref import gather_context
 from pagedserve.kernels import load_extension
 from pagedserve.model.layers import apply_rotary
 from pagedserve.model.matmul import pack_weight, packed_linear
+from tests.kernels.test_quant_gemm import random_blocks
 
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = ["fp32", "bf16"]
@@ -259,6 +261,55 @@ def test_paged_decode_attention(kernels, dtype, H, KVH, D):
     out2 = torch.empty(B, H, D, dtype=dtype)
     kernels.paged_decode_attention(q[:B], kc, vc, tables, lens, torch.empty(0, dtype=torch.long), out2, scale)
     assert close(out2, ref_decode(q[:B], kc, vc, tables, lens, scale), dtype)
+
+
+@pytest.mark.parametrize("arch", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_claimed_work_gives_the_bits_of_a_fixed_share(arch, threads):
+    """Where the kernels hand their items to whichever thread is free (parallel_claims: the float32 decode attention's
+    sequences at 4 or more per thread, the row attention's tiles, the many-rows quant_linear's row blocks x panels), an
+    item's result does not depend on the thread or the order: a batch of 24 sequences gives each sequence's bits alone
+    (one sequence: a fixed share of its kv heads) and the reference's values; the row attention and quant_linear give
+    the bits of one thread."""
+    ext = load_extension(arch)
+    assert ext is not None
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        H, KVH, D, BS, B = 9, 3, 64, 16, 24
+        lens, tables, kc, vc, g = paged_setup(B, H, KVH, D, BS, torch.float32, seed=threads)
+        lens[::5] += 120  # some longer contexts among them (still inside their tables)
+        width = tables.shape[1]
+        lens.clamp_(max=width * BS)
+        q = torch.randn(B, H, D, generator=g)
+        scale, no_rows = D**-0.5, torch.empty(0, dtype=torch.long)
+        out = torch.empty(B, H, D)
+        ext.paged_decode_attention(q, kc, vc, tables, lens, no_rows, out, scale)
+        assert close(out, ref_decode(q, kc, vc, tables, lens, scale), torch.float32)
+        for b in range(B):
+            one = torch.empty(1, H, D)
+            ext.paged_decode_attention(q[b : b + 1], kc, vc, tables[b : b + 1], lens[b : b + 1], no_rows, one, scale)
+            assert torch.equal(one[0], out[b]), b
+        # the row attention over prompt chunks of several 12-row tiles (every tile claimed, the last first)
+        qlens = torch.tensor([37, 5, 64, 1])
+        seq = torch.minimum(lens[:4] + qlens, torch.tensor(width * BS))
+        qsl = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(qlens, 0)])
+        qr = torch.randn(int(qsl[-1]), H, D, generator=g)
+        rows = ext.paged_attention_rows(qr, kc, vc, tables[:4], seq, qsl, scale, 0)
+        torch.set_num_threads(1)
+        assert torch.equal(ext.paged_attention_rows(qr, kc, vc, tables[:4], seq, qsl, scale, 0), rows)
+        # quant_linear's many rows: one row block (130 rows), and row blocks over weights widened first (400 rows)
+        qt = gguf.GGMLQuantizationType.Q4_1
+        raw = torch.from_numpy(random_blocks(qt, 80, 1536, seed=threads))
+        packed = ext.quant_pack(raw, int(qt))
+        for M in (130, 400):
+            x = torch.randn(M, 1536, generator=g)
+            torch.set_num_threads(1)
+            alone = ext.quant_linear(x, packed, int(qt), 80, 1536, None, torch.float32)
+            torch.set_num_threads(threads)
+            assert torch.equal(ext.quant_linear(x, packed, int(qt), 80, 1536, None, torch.float32), alone), M
+    finally:
+        torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("amx", [pytest.param(False, id="vdpbf16ps"), pytest.param(True, id="amx")])

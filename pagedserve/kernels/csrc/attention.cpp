@@ -395,14 +395,64 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
       return;
     }
     const int64_t eb = D * static_cast<int64_t>(sizeof(T));
+    // One (sequence, kv head) pair: its scores, softmax and P.V, `per` lines of `ahead` per step.
+    const auto attend = [&](int64_t item, std::vector<float>& scores, RowStream& ahead, int64_t per) {
+      const int64_t b = item / KVH, kvh = item % KVH;
+      const WindowSpan span = span_of(b);
+      const int64_t S = span.S;
+      scores.resize(group * S);
+      const int64_t r = rows ? rows[b] : b, h0 = kvh * group;
+      legacy_scores(q + r * q_stride + h0 * D, group, k_cache + kvh * D, span.table, S, block_size, block_stride, row,
+                    D, scale, scores.data(), ahead, per, S);
+      mask_skipped(scores.data(), group, S, span.skip);
+      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * S, S);
+      for (int64_t gi = 0; gi < group; gi += 3) {
+        for (int64_t c0 = 0; c0 < D; c0 += 32)
+          legacy_pv_pass(group - gi, D, c0, scores.data() + gi * S, S, v_cache + kvh * D + c0, span.table, block_size,
+                         block_stride, row, out + (r * H + h0 + gi) * D + c0, ahead, per);
+      }
+    };
+    // The steps of pair `item` (`per` lines each; legacy_scores: one per head and 8 keys or a last key, legacy_pv: one
+    // per key of each 32-d pass of up to 3 heads).
+    const auto steps = [&](int64_t item) {
+      const int64_t S = span_of(item / KVH).S;
+      return group * (S / 8 + S % 8) + (group + 2) / 3 * ((D + 31) / 32) * S;
+    };
+    if (g_team.t < 0 && B >= 4 * at::get_num_threads()) {
+      // Many sequences outside a team: each goes to whichever thread is free (parallel_claims: a slower core takes
+      // fewer). A thread claims its next sequence before it attends this one, and streams that sequence's rows (all of
+      // their kv heads: whole rows, as a static share of the pairs does; per pair, its D values of each row, it read
+      // 1.3x slower from memory) over this one's steps; what is left is asked for when the next one starts.
+      parallel_claims(B, [&](const auto& next) {
+        std::vector<float> scores;
+        RowStream ahead;
+        for (int64_t b = next(); b >= 0;) {
+          const int64_t following = next();
+          ahead.finish();
+          int64_t per = 1;
+          if (following >= 0) {
+            const WindowSpan span = span_of(following);
+            ahead.start(k_cache, v_cache, span.table, span.S, block_size, row_bytes, 0, KVH * eb);
+            const int64_t calls = KVH * steps(b * KVH), lines = KVH * ((eb + 63) / 64);
+            per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
+          } else {
+            ahead.stop();
+          }
+          for (int64_t kvh = 0; kvh < KVH; ++kvh) attend(b * KVH + kvh, scores, ahead, per);
+          b = following;
+        }
+      });
+      return;
+    }
+    // Else (a decode team's member, or few sequences) a share of the pairs, in order (at one sequence its kv heads
+    // split). A thread streams the next sequence's rows (of the kv heads it attends there) over this sequence's steps
+    // here.
     team_for(B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       RowStream ahead;
       int64_t per = 1;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / KVH, kvh = item % KVH;
-        const WindowSpan span = span_of(b);
-        const int64_t S = span.S;
         if (item == begin || kvh == 0) {  // a new sequence: stream the next one's rows (of its tasks here)
           ahead.finish();
           const int64_t next0 = (b + 1) * KVH, next1 = std::min(end, next0 + KVH);
@@ -412,24 +462,11 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
           } else {
             ahead.stop();
           }
-          // those lines over this sequence's steps here (`per` lines each; legacy_scores: one per head and 8 keys or
-          // a last key, legacy_pv: one per key of each 32-d pass of up to 3 heads)
-          const int64_t calls = (std::min(end, next0) - item) *
-                                (group * (S / 8 + S % 8) + (group + 2) / 3 * ((D + 31) / 32) * S);
+          const int64_t calls = (std::min(end, next0) - item) * steps(item);
           const int64_t lines = (next1 - next0) * ((eb + 63) / 64);
           per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
         }
-        scores.resize(group * S);
-        const int64_t r = rows ? rows[b] : b, h0 = kvh * group;
-        legacy_scores(q + r * q_stride + h0 * D, group, k_cache + kvh * D, span.table, S, block_size, block_stride, row,
-                      D, scale, scores.data(), ahead, per, S);
-        mask_skipped(scores.data(), group, S, span.skip);
-        for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * S, S);
-        for (int64_t gi = 0; gi < group; gi += 3) {
-          for (int64_t c0 = 0; c0 < D; c0 += 32)
-            legacy_pv_pass(group - gi, D, c0, scores.data() + gi * S, S, v_cache + kvh * D + c0, span.table,
-                           block_size, block_stride, row, out + (r * H + h0 + gi) * D + c0, ahead, per);
-        }
+        attend(item, scores, ahead, per);
       }
     });
     return;
@@ -571,10 +608,13 @@ void rows_kernel_tiled(const float* q, int64_t qs, const int64_t* rw, const S* k
       }
     });
   }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // Tiles go to whichever thread is free (parallel_claims), the last (the most keys) first, so that neither a slower
+  // core nor a causal prompt's costlier late tiles leave a thread waiting at the end.
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  parallel_claims(n_items, [&](const auto& next) {
     std::vector<float> sbuf, qbuf, kbuf, abuf, tbuf;
-    for (int64_t it = begin; it < end; ++it) {
-      const auto [b, r0] = items[it];
+    for (int64_t claim = next(); claim >= 0; claim = next()) {
+      const auto [b, r0] = items[n_items - 1 - claim];
       const int64_t R = std::min(qsl[b + 1], r0 + kTileRows) - r0, M = R * group;
       const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]) + (r0 - qsl[b]);
       const int64_t S_min = first + 1, S_max = first + R;  // row i sees first + i + 1 keys
@@ -675,10 +715,12 @@ void rows_kernel(const float* q, const T* k_cache, const T* v_cache, const int64
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = qsl[b]; r < qsl[b + 1]; r += kRowTile) items.emplace_back(b, r);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // Tiles to whichever thread is free, the last first (as rows_kernel_tiled).
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  parallel_claims(n_items, [&](const auto& next) {
     std::vector<float> buf;
-    for (int64_t it = begin; it < end; ++it) {
-      const auto [b, r0] = items[it];
+    for (int64_t claim = next(); claim >= 0; claim = next()) {
+      const auto [b, r0] = items[n_items - 1 - claim];
       const int64_t r1 = std::min(qsl[b + 1], r0 + kRowTile), R = r1 - r0;
       const int64_t first = seq_lens[b] - (qsl[b + 1] - qsl[b]);  // context before this step's rows
       const int64_t S_max = first + (r1 - qsl[b]);                // the tile's last row sees this many

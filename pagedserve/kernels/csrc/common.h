@@ -92,6 +92,26 @@ inline void team_for(int64_t n, int64_t grain, const F& f) {
   at::parallel_for(0, n, grain, f);
 }
 
+// body(next) once on each thread of a parallel region, next() handing out the items of [0, n) one at a time to
+// whichever thread asks (an atomic counter; -1 when none is left), so that a thread on a slower core takes fewer
+// items instead of the others waiting for its fixed share. These machines' two vCPUs are often unequal (a busy host:
+// one ran an FMA loop at 50-70% of the other's rate while both ran), and a static split finishes at the slower one's
+// pace. For kernels whose items' results do not depend on the thread (the same bits whichever order). Outside a team.
+template <typename F>
+inline void parallel_claims(int64_t n, const F& body) {
+  std::atomic<int64_t> counter{0};
+  const auto next = [&counter, n]() -> int64_t {
+    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    body(next);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(next); });
+}
+
 // A matmul's output [M, N]. One of 32 MB or more (an LM head's float32 logits over a large vocabulary: Gemma 3's
 // 262,144 columns at a decode step's 128 rows are 134 MB) is beyond the largest size glibc's malloc serves from its
 // heap, so each torch::empty of it is a fresh mmap whose pages fault in, zeroed, as the kernel first writes them:

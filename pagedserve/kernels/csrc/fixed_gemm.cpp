@@ -82,27 +82,37 @@ template <typename WT, typename OT>
 void fixed_gemm(const float* x, int64_t xs, const WT* wp, const float* bias, OT* y, int64_t M, int64_t N,
                 int64_t K) {
   const int64_t panels = (N + kNR - 1) / kNR;
-  // Few rows: the matmul reads the weight once (memory-bound), so small panel ranges per task are
-  // fine; many rows: larger ranges keep each thread's x block hot. The split never changes a result.
-  at::parallel_for(0, panels, M <= 8 ? 4 : 1, [&](int64_t p0, int64_t p1) {
+  // A panel's rows of one row block: each tile's chains, then the tile's outputs (with the bias).
+  const auto panel_rows = [&](int64_t p, int64_t m0, int64_t mb) {
     alignas(64) float acc[kMR * kNR];
-    for (int64_t m0 = 0; m0 < M; m0 += kMB) {
-      const int64_t mb = std::min(kMB, M - m0);
-      for (int64_t p = p0; p < p1; ++p) {
-        const WT* panel = wp + p * K * kNR;
-        const int64_t n0 = p * kNR, nn = std::min(kNR, N - n0);
-        for (int64_t r0 = 0; r0 < mb; r0 += kMR) {
-          const int64_t R = std::min(kMR, mb - r0);
-          tile_rows(R, x + (m0 + r0) * xs, xs, panel, K, acc);
-          for (int64_t r = 0; r < R; ++r) {
-            OT* out = y + (m0 + r0 + r) * N + n0;
-            for (int64_t j = 0; j < nn; ++j) {
-              const float v = bias ? acc[r * kNR + j] + bias[n0 + j] : acc[r * kNR + j];
-              out[j] = Elem<OT>::store(v);
-            }
-          }
+    const WT* panel = wp + p * K * kNR;
+    const int64_t n0 = p * kNR, nn = std::min(kNR, N - n0);
+    for (int64_t r0 = 0; r0 < mb; r0 += kMR) {
+      const int64_t R = std::min(kMR, mb - r0);
+      tile_rows(R, x + (m0 + r0) * xs, xs, panel, K, acc);
+      for (int64_t r = 0; r < R; ++r) {
+        OT* out = y + (m0 + r0 + r) * N + n0;
+        for (int64_t j = 0; j < nn; ++j) {
+          const float v = bias ? acc[r * kNR + j] + bias[n0 + j] : acc[r * kNR + j];
+          out[j] = Elem<OT>::store(v);
         }
       }
+    }
+  };
+  // Few rows: the matmul reads the weight once (memory-bound): small panel ranges per task, each a stream. Many rows:
+  // (row block, panel) items row block by row block (each thread's x block hot in its L2), taken by whichever thread
+  // is free (parallel_claims: a slower core takes fewer). The split never changes a result.
+  if (M <= 8) {
+    at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) panel_rows(p, 0, M);
+    });
+    return;
+  }
+  const int64_t blocks = (M + kMB - 1) / kMB;
+  parallel_claims(blocks * panels, [&](const auto& next) {
+    for (int64_t item = next(); item >= 0; item = next()) {
+      const int64_t m0 = item / panels * kMB;
+      panel_rows(item % panels, m0, std::min(kMB, M - m0));
     }
   });
 }

@@ -802,10 +802,10 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
 #endif
     return;
   }
-  // Many rows: a block of MB rows of x (~256 KB, kept hot across the thread's panels) against one panel at
-  // a time, 256-k slices. Where 8 or more row blocks pass each panel and the widened weights fit kWideFloats (they
-  // then stay in L3 for the row blocks after the first), each thread first widens its panels whole, once per call, into
-  // a buffer of the calling thread; else each slice is widened into L1 once per row block. On a Zen 3 at 2,048 rows:
+  // Many rows: a block of MB rows of x (~256 KB, kept hot in L2 while the threads take its panels) against one panel
+  // at a time, 256-k slices. Where 8 or more row blocks pass each panel and the widened weights fit kWideFloats (they
+  // then stay in L3 for the row blocks after the first), the panels are first widened whole, once per call, into a
+  // buffer of the calling thread; else each slice is widened into L1 once per row block. On a Zen 3 at 2,048 rows:
   // 1.00-1.06x (SmolLM2's gate_up 1.055x, down 1.038x); at 512 rows (5 row blocks) 0.97-1.02x, hence the 8.
   constexpr int64_t KC = 256;
   // Up to 264 rows (a decode step of up to 264 sequences) are one block whatever K, so that each panel is widened once:
@@ -815,44 +815,46 @@ void quant_gemm(const float* x, int64_t xs, const uint8_t* w, const float* bias,
   int64_t MB = std::clamp<int64_t>((65536 / K) / 6 * 6, 48, 240);
   if (M <= 264) MB = (M + 5) / 6 * 6;
   float* wide = M >= 8 * MB && panels * 16 * K <= kWideFloats ? wide_buffer(panels * 16 * K) : nullptr;
-  // Threads split units of PU panels: a panel, or (SILU) gate panel u with its up panel u + I / 16, whose sums are
-  // written together (acc: the unit's panel h at h * MB * 16).
+  // Units of PU panels: a panel, or (SILU) gate panel u with its up panel u + I / 16, whose sums are written together
+  // (acc: the unit's panel h at h * MB * 16). The items are (row block, unit) pairs, row block by row block, taken by
+  // whichever thread is free (parallel_claims: on a host where one vCPU ran slower, 1.04-1.17x over a fixed share of
+  // the units; the same at equal speeds); the widening first, a unit at a time, in a region of its own.
   constexpr int PU = SILU ? 2 : 1;
-  const int64_t units = panels / PU;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    Scratch buf(wide ? 0 : KC * 16), acc(PU * MB * 16);
-    if (wide)
-      for (int64_t u = u0; u < u1; ++u)
+  const int64_t units = panels / PU, blocks = (M + MB - 1) / MB;
+  if (wide)
+    parallel_claims(units, [&](const auto& next) {
+      for (int64_t u = next(); u >= 0; u = next())
         for (int h = 0; h < PU; ++h) {
           const int64_t p = u + h * units;
           widen_range<T>(w + p * pstride, 0, K, wide + p * K * 16);
         }
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-      const int64_t mb = std::min(MB, M - m0);
-      for (int64_t u = u0; u < u1; ++u) {
-        for (int h = 0; h < PU; ++h) {
-          const int64_t p = u + h * units;
-          float* a = acc.p + h * MB * 16;
-          for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = std::min(KC, K - k0);
-            const float* slice = buf.p;
-            if (wide) {
-              slice = wide + (p * K + k0) * 16;
-            } else {
-              widen_range<T>(w + p * pstride, k0, kc, buf.p);
-            }
-            for (int64_t r0 = 0; r0 < mb; r0 += 6)
-              run_tile(std::min<int64_t>(6, mb - r0), 1, x + (m0 + r0) * xs + k0, xs, slice, kc, a + r0 * 16, 16,
-                       k0 == 0);
+    });
+  parallel_claims(blocks * units, [&](const auto& next) {
+    Scratch buf(wide ? 0 : KC * 16), acc(PU * MB * 16);
+    for (int64_t item = next(); item >= 0; item = next()) {
+      const int64_t m0 = item / units * MB, u = item % units, mb = std::min(MB, M - m0);
+      for (int h = 0; h < PU; ++h) {
+        const int64_t p = u + h * units;
+        float* a = acc.p + h * MB * 16;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min(KC, K - k0);
+          const float* slice = buf.p;
+          if (wide) {
+            slice = wide + (p * K + k0) * 16;
+          } else {
+            widen_range<T>(w + p * pstride, k0, kc, buf.p);
           }
+          for (int64_t r0 = 0; r0 < mb; r0 += 6)
+            run_tile(std::min<int64_t>(6, mb - r0), 1, x + (m0 + r0) * xs + k0, xs, slice, kc, a + r0 * 16, 16,
+                     k0 == 0);
         }
-        if constexpr (SILU) {
+      }
+      if constexpr (SILU) {
 #ifdef PAGEDSERVE_QUANT_AVX2
-          write_silu8(acc.p, acc.p + MB * 16, 16, mb, y + m0 * (N / 2) + u * 16, N / 2);
+        write_silu8(acc.p, acc.p + MB * 16, 16, mb, y + m0 * (N / 2) + u * 16, N / 2);
 #endif
-        } else {
-          write_rows(acc.p, 16, mb, bias, y + m0 * N, N, u * 16, std::min<int64_t>(16, N - u * 16));
-        }
+      } else {
+        write_rows(acc.p, 16, mb, bias, y + m0 * N, N, u * 16, std::min<int64_t>(16, N - u * 16));
       }
     }
   });
