@@ -25,6 +25,7 @@ KERNELS = ("paged_decode_attention", "paged_attention_rows", "paged_attention_ro
            "rms_norm", "fused_add_rms_norm", "rotary_write_kv",
            "silu_and_mul", "argmax_rows", "gemv_bf16", "gemv_gguf", "gemv_gguf_r16", "quant_linear",
            "quant_linear_bf16", "quant_linear_bf16_silu", "quant_linear_bf16_argmax", "quant_linear_argmax",
+           "quant_linear_silu",
            "quant_linear_i8", "fixed_linear",
            "quant_embedding")
 
