@@ -115,10 +115,15 @@ struct RowStream {
   int64_t rate = 0, acc = 0, used = 0;
   // Spread what is left over `units` units of work (0: unpaced); the unit count starts again.
   void pace(int64_t units) {
-    const int64_t need = (o1 - o0 + 63) / 64 * left;
+    const int64_t need = lines_left();
     rate = units > 0 ? std::max<int64_t>(1, (need << 16) / units) : 0;
     acc = used = 0;
   }
+  // Unpaced (decode_kernel): lines per unit so that `units` units ask for all that is left (at least 1).
+  int64_t per_unit(int64_t units) const {
+    return std::max<int64_t>(1, (lines_left() + units - 1) / std::max<int64_t>(1, units));
+  }
+  int64_t lines_left() const { return (o1 - o0 + 63) / 64 * left; }
   inline void step(int64_t units) {
     used += units;
     int64_t lines = units;
@@ -429,15 +434,13 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
         for (int64_t b = next(); b >= 0;) {
           const int64_t following = next();
           ahead.finish();
-          int64_t per = 1;
           if (following >= 0) {
             const WindowSpan span = span_of(following);
             ahead.start(k_cache, v_cache, span.table, span.S, block_size, row_bytes, 0, KVH * eb);
-            const int64_t calls = KVH * steps(b * KVH), lines = KVH * ((eb + 63) / 64);
-            per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
           } else {
             ahead.stop();
           }
+          const int64_t per = ahead.per_unit(KVH * steps(b * KVH));
           for (int64_t kvh = 0; kvh < KVH; ++kvh) attend(b * KVH + kvh, scores, ahead, per);
           b = following;
         }
@@ -462,9 +465,7 @@ void decode_kernel(const float* q, int64_t q_stride, const int64_t* rows, const 
           } else {
             ahead.stop();
           }
-          const int64_t calls = (std::min(end, next0) - item) * steps(item);
-          const int64_t lines = (next1 - next0) * ((eb + 63) / 64);
-          per = std::max<int64_t>(1, (ahead.left * lines + calls - 1) / std::max<int64_t>(1, calls));
+          per = ahead.per_unit((std::min(end, next0) - item) * steps(item));
         }
         attend(item, scores, ahead, per);
       }
