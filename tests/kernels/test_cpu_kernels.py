@@ -267,10 +267,11 @@ def test_paged_decode_attention(kernels, dtype, H, KVH, D):
 @pytest.mark.parametrize("threads", [2, 3])
 def test_claimed_work_gives_the_bits_of_a_fixed_share(arch, threads):
     """Where the kernels hand their items to whichever thread is free (parallel_claims: the float32 decode attention's
-    sequences at 4 or more per thread, the row attention's tiles, the many-rows quant_linear's row blocks x panels), an
-    item's result does not depend on the thread or the order: a batch of 24 sequences gives each sequence's bits alone
-    (one sequence: a fixed share of its kv heads) and the reference's values; the row attention and quant_linear give
-    the bits of one thread."""
+    sequences at 4 or more per thread, the row attention's tiles, the many-rows quant_linear's row blocks x panels;
+    claim_for: the few-rows GEMV's ranges of panels), an item's result does not depend on the thread or the order: a
+    batch of 24 sequences gives each sequence's bits alone (one sequence: a fixed share of its kv heads) and the
+    reference's values; the row attention and quant_linear (and quant_linear_silu at 1-4 rows) give the bits of one
+    thread."""
     ext = load_extension(arch)
     assert ext is not None
     n = torch.get_num_threads()
@@ -308,6 +309,24 @@ def test_claimed_work_gives_the_bits_of_a_fixed_share(arch, threads):
             alone = ext.quant_linear(x, packed, int(qt), 80, 1536, None, torch.float32)
             torch.set_num_threads(threads)
             assert torch.equal(ext.quant_linear(x, packed, int(qt), 80, 1536, None, torch.float32), alone), M
+        # the few-rows GEMV's panel groups (1-2 rows: 33 pairs of panels; 3-4: 66 panels) and the fused SwiGLU's gate /
+        # up pairs, claimed as ranges (claim_for; 2 threads from both ends, 3 in claiming order): every range once,
+        # the reference's values and one thread's bits
+        N, K = 1056, 256
+        raw = random_blocks(qt, N, K, seed=threads + 1)
+        packed = ext.quant_pack(torch.from_numpy(raw), int(qt))
+        weight = torch.from_numpy(gguf.quants.dequantize(raw, qt)).float()
+        for M in (1, 2, 3, 4):
+            x = torch.randn(M, K, generator=g)
+            torch.set_num_threads(threads)
+            few = ext.quant_linear(x, packed, int(qt), N, K, None, torch.float32)
+            silu = ext.quant_linear_silu(x, packed, int(qt), N, K)
+            assert close(few, x @ weight.T, torch.float32), M
+            gate, up = (x @ weight.T).chunk(2, dim=1)
+            assert close(silu, F.silu(gate) * up, torch.float32), M
+            torch.set_num_threads(1)
+            assert torch.equal(ext.quant_linear(x, packed, int(qt), N, K, None, torch.float32), few), M
+            assert torch.equal(ext.quant_linear_silu(x, packed, int(qt), N, K), silu), M
     finally:
         torch.set_num_threads(n)
 

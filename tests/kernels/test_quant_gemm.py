@@ -494,11 +494,12 @@ def test_screened_argmax_is_the_first_argmax_of_quant_linears_logits(kernels):
     """quant_linear_argmax (the float32 route's greedy LM head over Q8_0): each row's index of the first maximum of the
     float32 logits quant_linear gives, though only the columns its int16 screen cannot rule out get their exact chain.
     Random quants (-128 included) with random scales; rows of plain normals, rows with outlier channels (as hidden
-    states have), tiny and huge rows, 1 to 300 rows on 1 or 2 threads. The weight's second half repeats the first, so
-    every maximum is there twice, the later copy in another panel (and thread): the first must win; a partial last
-    panel; a weight of equal rows ties every column (past the candidate cap: every exact logit); columns that differ
-    from another by one quant step where x is tiny (the screen cannot tell them apart, the exact chains can). Rows
-    the screen cannot take (zeros, a NaN, an infinity, 1e30) get every exact logit: -1 for a NaN logit."""
+    states have), tiny and huge rows, 1 to 300 rows on 1 or 2 threads (the panels claimed in ranges). The weight's
+    second half repeats the first, so every maximum is there twice, the later copy in another panel (and thread): the
+    first must win; a partial last panel; a weight of equal rows ties every column (past the candidate cap: every
+    exact logit); columns that differ from another by one quant step where x is tiny (the screen cannot tell them
+    apart, the exact chains can). Rows the screen cannot take (zeros, a NaN, an infinity, 1e30) get every exact
+    logit: -1 for a NaN logit."""
     _needs_screen(kernels)
     qt = int(Q.Q8_0)
     half, k = 1000, 320
@@ -523,7 +524,7 @@ def test_screened_argmax_is_the_first_argmax_of_quant_linears_logits(kernels):
     x[2::11] *= 1e-3
     x[4::13] *= 1e4
     x[5::17] *= torch.rand(k, generator=g) ** 8  # most of the row near 0
-    for m in (5, 6, 7, 13, 128, 300):
+    for m in (1, 5, 6, 7, 13, 128, 300):
         for t in (1, 2):
             torch.set_num_threads(t)
             logits = kernels.quant_linear(x[:m], packed, qt, n, None, torch.float32)
@@ -978,8 +979,8 @@ def test_decode_stack_team_gives_the_bits_of_a_region_per_op(kernels, bf16_route
 @pytest.mark.parametrize("route", [7, 9], ids=["float32", "int8"])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 1), (6, 3)], ids=["kv2", "kv1", "kv3"])
 def test_decode_stack_team_on_float32_activations(arch, route, heads):
-    """A float32 stack on the float32 quantized route (7: quant_linear's AVX2 GEMV, whose groups split through
-    team_for) or the int8 activations route (9) runs a step of 1-4 sequences as one team too, with the same bits as a
+    """A float32 stack on the float32 quantized route (7: quant_linear's AVX2 GEMV, whose groups the members claim,
+    claim_for) or the int8 activations route (9) runs a step of 1-4 sequences as one team too, with the same bits as a
     parallel region per op. The decode attention splits its tasks in the team: the fused AVX-512 kernel's (native on an
     AVX-512 CPU), or the AVX2 kernel's (sequence, kv head) tasks (x86-64-v3, an AVX2-only CPU's build) -- or, where
     those pairs do not split evenly between 2 threads (1 or 3 of them: 1 or 3 kv heads at 1 sequence, 1 at 3), its

@@ -6,6 +6,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -72,8 +73,23 @@ struct Team {
   // combine of a split sequence's partitions): the team's barrier, and scratch the passes share (see team_sync).
   TeamBarrier* barrier = nullptr;
   std::vector<float>* scratch = nullptr;
+  // The team's counters for claim_for (see TeamClaims); null: every member takes its fixed share.
+  struct TeamClaims* claims = nullptr;
 };
 inline thread_local Team g_team;
+
+// A counter of claimed items, on a cache line of its own.
+struct alignas(64) ClaimCounter {
+  std::atomic<int64_t> taken{0};
+};
+
+// One member's view of the counters a team's step shares, zero at its start: the k-th claim_for call of each member
+// (every member makes the same calls in the same order) claims from counters[k]. Past `size` calls the members take
+// their fixed shares (team_for).
+struct TeamClaims {
+  ClaimCounter* counters = nullptr;
+  int64_t size = 0, next = 0;
+};
 
 // Inside such a kernel: every member of the team here (the scratch's size set by thread 0 before it, the first pass's
 // results after it). A team aborted by another member's error throws.
@@ -90,6 +106,58 @@ inline void team_for(int64_t n, int64_t grain, const F& f) {
     return;
   }
   at::parallel_for(0, n, grain, f);
+}
+
+// f(begin, end) over ranges that together cover [0, n) once, each claimed from `taken` (zero before the first claim,
+// shared by `threads` callers, this one the t-th) by whichever caller is free: a claim takes a share of what is left
+// (guided: at first half of a fair share, then less), so that a thread on a slower core takes fewer items instead of
+// the others waiting for its fixed share, with a few claims per thread. Two threads claim from both ends (thread 0 up
+// from 0, thread 1 down from n, each range walked upward): each one's ranges are adjacent, so that the stream of
+// prefetches a kernel keeps ahead of its range runs on into its next one. More threads: in claiming order.
+template <typename F>
+inline void claim_ranges(std::atomic<int64_t>& taken, int64_t t, int64_t threads, int64_t n, const F& f) {
+  int64_t seen = 0, mine = 0;  // seen: the counter after this caller's last claim (at least)
+  while (seen < n) {
+    const int64_t want = std::max<int64_t>(1, (n - seen) / (2 * threads));
+    const int64_t c = taken.fetch_add(want, std::memory_order_relaxed);
+    if (c >= n) return;
+    const int64_t got = std::min(want, n - c);
+    if (threads != 2) {
+      f(c, c + got);
+    } else if (t == 0) {
+      f(mine, mine + got);
+    } else {
+      f(n - mine - got, n - mine);
+    }
+    mine += got;
+    seen = c + got;
+  }
+}
+
+// f(begin, end) over [0, n) split between threads by claims (claim_ranges): in a team whose step shares counters
+// (Team::claims) from the next of them, else the member's fixed share; outside a team in a parallel region of its
+// own. For kernels whose items' results do not depend on the thread.
+template <typename F>
+inline void claim_for(int64_t n, const F& f) {
+  if (n <= 0) return;
+  if (g_team.t >= 0) {
+    TeamClaims* c = g_team.claims;
+    if (c && c->next < c->size) {
+      claim_ranges(c->counters[c->next++].taken, g_team.t, g_team.n, n, f);
+    } else {
+      team_for(n, 1, f);
+    }
+    return;
+  }
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    f(0, n);
+    return;
+  }
+  std::atomic<int64_t> taken{0};
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) claim_ranges(taken, t, threads, n, f);
+  });
 }
 
 // body(next) once on each thread of a parallel region, next() handing out the items of [0, n) one at a time to

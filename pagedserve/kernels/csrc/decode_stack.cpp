@@ -152,8 +152,8 @@ class DecodeStack {
       }
     }
     // The team's conditions on the stack itself (see team_applies): not the strict mode, every matmul (and each of its
-    // parts) on a quantized route whose few-rows kernel splits through team_for (bf16 or int8 activations; float32
-    // activations where the AVX2 GEMV runs them: quant_gemm's few-rows path, gemv_groups). Every layer's cache shaped
+    // parts) on a quantized route whose few-rows kernel splits between the members (claim_for; bf16 or int8
+    // activations; float32 activations where the AVX2 GEMV runs them: quant_gemm's few-rows path, gemv_groups). Every layer's cache shaped
     // and typed as the first's, so one check of the attention serves all (team_applies).
 #ifdef PAGEDSERVE_QUANT_AVX2
     constexpr bool float_gemv_team = true;
@@ -234,7 +234,7 @@ class DecodeStack {
 
  private:
   // The team (one parallel region for the whole step; see Team in common.h) takes a step of as many sequences as
-  // every matmul runs its few-rows kernel for (split by team_for): 4 (the vdpbf16ps route's GEMV and the float32
+  // every matmul runs its few-rows kernel for (split by claim_for): 4 (the vdpbf16ps route's GEMV and the float32
   // one), 16 where the bf16 matmuls run on AMX tiles (the int8 route takes any count 4 rows at a time); of a
   // team_stack_ (the constructor: the quantized routes, not the strict mode), no more threads than CPUs, and a decode
   // attention whose tasks split through team_for (kSplit: the AVX-512 kernel, or the AVX2 one over float32 queries;
@@ -265,11 +265,11 @@ class DecodeStack {
   }
 
   // forward's ops in the same order on the same kernels (the same bits), in one parallel region: the matmuls (a SwiGLU
-  // fused into gate_up's), the rotary + K/V write, the attention (split_attention; else on thread 0) and the
-  // SwiGLU / GeGLU of the other routes split between the threads (team_for), the norms and the copies of a matmul's
-  // parts into its output on thread 0, the threads meeting at a barrier after each op. The tensors each op writes are
-  // made before the region, so the threads share them (a norm's output on thread 0: assigned before the barrier the
-  // others pass to read it).
+  // fused into gate_up's; their ranges claimed by whichever member is free), the rotary + K/V write, the attention
+  // (split_attention; else on thread 0) and the SwiGLU / GeGLU of the other routes split between the threads
+  // (team_for), the norms and the copies of a matmul's parts into its output on thread 0, the threads meeting at a
+  // barrier after each op. The tensors each op writes are made before the region, so the threads share them (a norm's
+  // output on thread 0: assigned before the barrier the others pass to read it).
   torch::Tensor team_forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                              const c10::optional<torch::Tensor>& cos_local, const c10::optional<torch::Tensor>& sin_local,
                              const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
@@ -306,6 +306,12 @@ class DecodeStack {
       }
     }
     std::vector<float> scratch;  // the decode attention's, shared by the team (Team::scratch)
+    // The counters the members' matmuls claim their work from (claim_for; Team::claims): one per few-rows kernel call
+    // of the step, a matmul's part being one and an int8 matmul one per 4 rows; beyond them the members would take
+    // fixed shares.
+    int64_t calls = 0;
+    for (const auto& l : layers_) calls += 4 + static_cast<int64_t>(l.qkv.more.size() + l.gate_up.more.size());
+    std::vector<ClaimCounter> counters(calls * ((B + 3) / 4));
     std::exception_ptr error;
     std::atomic<bool> failed{false};
     std::optional<TeamBarrier> barrier;
@@ -315,10 +321,12 @@ class DecodeStack {
 #pragma omp single
       barrier.emplace(n);  // (the end of single is a barrier: every thread sees it)
       TeamBarrier& bar = *barrier;
+      TeamClaims claims{counters.data(), static_cast<int64_t>(counters.size())};
       // Thread t's share of one matmul (or part) of `in` into `out` (matmul_output hands out `out`; the few-rows
-      // drivers split through team_for); silu: a [gate; up] matmul's fused SwiGLU (MatmulSpec::fused_silu).
+      // drivers claim their ranges from `claims`, claim_for); silu: a [gate; up] matmul's fused SwiGLU
+      // (MatmulSpec::fused_silu).
       auto one = [&](const MatmulSpec& m, const torch::Tensor& in, const torch::Tensor& out, bool silu = false) {
-        g_team = {t, n, &out};
+        g_team = {t, n, &out, nullptr, nullptr, &claims};
         if (silu) {
           m.fused_silu(in);
         } else if (m.route == kQuantI8) {

@@ -686,16 +686,17 @@ __attribute__((noinline)) void write_silu(const float* acc, int64_t as, int64_t 
 
 constexpr int64_t kGemvRows = 4;  // up to here: the few-rows path
 
-// The few-rows driver: threads split the groups of P (1 or 2) panels; kernel(np, p0, acc) fills the M x 16 np
-// sums of panels p0 .. p0 + np - 1 (row stride 16 np; M <= MaxRows), which are then written out with the bias.
-// setup() runs once per task and what it returns lives until the task ends (the AMX route's tile configuration).
-// w, pstride: the packed weights, so that a task starts its stream of panel bytes (the first kStreamAhead of it, into
-// L2; the kernels keep it going).
+// The few-rows driver: threads claim ranges of the groups of P (1 or 2) panels (claim_for: in a decode step's team
+// too, so that neither member waits for the other's fixed share on a slower core); kernel(np, p0, acc) fills the
+// M x 16 np sums of panels p0 .. p0 + np - 1 (row stride 16 np; M <= MaxRows), which are then written out with the
+// bias. setup() runs once per range and what it returns lives until the range ends (the AMX route's tile
+// configuration). w, pstride: the packed weights, so that a range starts its stream of panel bytes (the first
+// kStreamAhead of it, into L2; the kernels keep it going).
 template <int64_t MaxRows = kGemvRows, typename OT, typename F, typename S = decltype([] { return 0; })>
 inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int64_t pstride, const float* bias, OT* y,
                         int64_t N, F&& kernel, S setup = {}) {
   const int64_t groups = (panels + P - 1) / P;
-  team_for(groups, 1, [&](int64_t g0, int64_t g1) {  // a decode step's team: this thread's share (see Team)
+  claim_for(groups, [&](int64_t g0, int64_t g1) {
     const int64_t task_bytes = (std::min(g1 * P, panels) - g0 * P) * pstride;
     prefetch_l2(w + g0 * P * pstride, std::min(kStreamAhead, task_bytes));
     [[maybe_unused]] const auto task = setup();
@@ -709,7 +710,7 @@ inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int6
   });
 }
 
-// The few-rows fused SwiGLU's driver (gemv_groups' for a [gate; up] weight, N = 2 I): threads split the I / 16 pairs
+// The few-rows fused SwiGLU's driver (gemv_groups' for a [gate; up] weight, N = 2 I): threads claim the I / 16 pairs
 // of gate panel p and its up panel, which lie `pairs` panels apart; kernel(p, acc) fills the (up to MaxRows) x 32 sums
 // of pair p, then epilogue(p, acc) writes them as the many-rows route's epilogue does (silu_store16, write_silu8): the
 // same bits as the matmul's output through silu_and_mul, with no [M, 2 I] product in between and each thread's
@@ -717,7 +718,7 @@ inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int6
 template <int64_t MaxRows = kGemvRows, typename F, typename E, typename S = decltype([] { return 0; })>
 inline void gemv_silu_pairs(int64_t pairs, const uint8_t* w, int64_t pstride, F&& kernel, E&& epilogue,
                             S setup = {}) {
-  team_for(pairs, 1, [&](int64_t p0, int64_t p1) {  // a decode step's team: this thread's share (see Team)
+  claim_for(pairs, [&](int64_t p0, int64_t p1) {
     const int64_t task_bytes = std::min(kStreamAhead / 2, (p1 - p0) * pstride);
     prefetch_l2(w + p0 * pstride, task_bytes);
     prefetch_l2(w + (pairs + p0) * pstride, task_bytes);
@@ -1008,13 +1009,14 @@ void screened_argmax(const float* x, int64_t xs, const uint8_t* w, const float* 
       coef[m] = 1.02f * (0.51f * sx[m] + 1.01f * static_cast<float>(K + nb + 5) * 0x1p-24f * xmax);
     }
   });
-  // The screen: threads split the panels; each keeps per row the largest s - B so far (lower) and the columns whose
-  // s + B reached it when they were screened (a superset of those reaching the final lower, which only grows).
+  // The screen: threads claim ranges of the panels (claim_for: a slower core takes fewer); each keeps per row the
+  // largest s - B so far (lower) and the columns whose s + B reached it when they were screened (a superset of those
+  // reaching the final lower, which only grows). Which thread screens a panel changes neither: the argmax is exact.
   const int64_t threads = at::get_num_threads(), cap = std::max<int64_t>(64, N / 8);
   std::vector<float> lower(threads * M, -std::numeric_limits<float>::infinity());
   std::vector<std::vector<std::pair<int32_t, float>>> cand(threads * M);
   std::vector<uint8_t> over(threads * M, 0);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  claim_for(panels, [&](int64_t p0, int64_t p1) {
     const int64_t t = at::get_thread_num();
     alignas(32) float s[kScreenTile * 16], up[16];
     std::vector<int16_t> wbuf;
