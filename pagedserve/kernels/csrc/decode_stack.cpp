@@ -153,8 +153,8 @@ class DecodeStack {
     }
     // The team's conditions on the stack itself (see team_applies): not the strict mode, every matmul (and each of its
     // parts) on a quantized route whose few-rows kernel splits between the members (claim_for; bf16 or int8
-    // activations; float32 activations where the AVX2 GEMV runs them: quant_gemm's few-rows path, gemv_groups). Every layer's cache shaped
-    // and typed as the first's, so one check of the attention serves all (team_applies).
+    // activations; float32 activations where the AVX2 GEMV runs them: quant_gemm's few-rows path, gemv_groups). Every
+    // layer's cache shaped and typed as the first's, so one check of the attention serves all (team_applies).
 #ifdef PAGEDSERVE_QUANT_AVX2
     constexpr bool float_gemv_team = true;
 #else
