@@ -321,8 +321,9 @@ def test_claimed_work_gives_the_bits_of_a_fixed_share(arch, threads):
             torch.set_num_threads(threads)
             few = ext.quant_linear(x, packed, int(qt), N, K, None, torch.float32)
             silu = ext.quant_linear_silu(x, packed, int(qt), N, K)
-            assert close(few, x @ weight.T, torch.float32), M
-            gate, up = (x @ weight.T).chunk(2, dim=1)
+            ref = x @ weight.T
+            assert close(few, ref, torch.float32), M
+            gate, up = ref.chunk(2, dim=1)
             assert close(silu, F.silu(gate) * up, torch.float32), M
             torch.set_num_threads(1)
             assert torch.equal(ext.quant_linear(x, packed, int(qt), N, K, None, torch.float32), few), M

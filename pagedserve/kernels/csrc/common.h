@@ -108,6 +108,20 @@ inline void team_for(int64_t n, int64_t grain, const F& f) {
   at::parallel_for(0, n, grain, f);
 }
 
+// f(t, threads) for each t of [0, threads), threads = min(torch's threads, n), in one parallel region (inline for
+// one): the place of each worker of a kernel whose workers claim their items (claim_for, parallel_claims).
+template <typename F>
+inline void on_threads(int64_t n, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    f(0, 1);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) f(t, threads);
+  });
+}
+
 // f(begin, end) over ranges that together cover [0, n) once, each claimed from `taken` (zero before the first claim,
 // shared by `threads` callers, this one the t-th) by whichever caller is free: a claim takes a share of what is left
 // (guided: at first half of a fair share, then less), so that a thread on a slower core takes fewer items instead of
@@ -116,6 +130,10 @@ inline void team_for(int64_t n, int64_t grain, const F& f) {
 // prefetches a kernel keeps ahead of its range runs on into its next one. More threads: in claiming order.
 template <typename F>
 inline void claim_ranges(std::atomic<int64_t>& taken, int64_t t, int64_t threads, int64_t n, const F& f) {
+  if (threads == 1) {  // nobody to share with: one range
+    f(0, n);
+    return;
+  }
   int64_t seen = 0, mine = 0;  // seen: the counter after this caller's last claim (at least)
   while (seen < n) {
     const int64_t want = std::max<int64_t>(1, (n - seen) / (2 * threads));
@@ -149,15 +167,8 @@ inline void claim_for(int64_t n, const F& f) {
     }
     return;
   }
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1) {
-    f(0, n);
-    return;
-  }
   std::atomic<int64_t> taken{0};
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) claim_ranges(taken, t, threads, n, f);
-  });
+  on_threads(n, [&](int64_t t, int64_t threads) { claim_ranges(taken, t, threads, n, f); });
 }
 
 // body(next) once on each thread of a parallel region, next() handing out the items of [0, n) one at a time to
@@ -172,12 +183,7 @@ inline void parallel_claims(int64_t n, const F& body) {
     const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
     return i < n ? i : -1;
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1) {
-    body(next);
-    return;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(next); });
+  on_threads(n, [&](int64_t, int64_t) { body(next); });
 }
 
 // A matmul's output [M, N]. One of 32 MB or more (an LM head's float32 logits over a large vocabulary: Gemma 3's
