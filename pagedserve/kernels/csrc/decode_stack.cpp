@@ -307,10 +307,14 @@ class DecodeStack {
     }
     std::vector<float> scratch;  // the decode attention's, shared by the team (Team::scratch)
     // The counters the members' matmuls claim their work from (claim_for; Team::claims): one per few-rows kernel call
-    // of the step, a matmul's part being one and an int8 matmul one per 4 rows; beyond them the members would take
-    // fixed shares.
+    // of the step that claims (the float32 and int8 routes; the bf16 routes split in fixed shares: gemv_groups), a
+    // matmul's part being one and an int8 matmul one per 4 rows; beyond them the members would take fixed shares.
     int64_t calls = 0;
-    for (const auto& l : layers_) calls += 4 + static_cast<int64_t>(l.qkv.more.size() + l.gate_up.more.size());
+    for (const auto& l : layers_)
+      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+        calls += m->route != kQuantBf16;
+        for (const auto& part : m->more) calls += part.route != kQuantBf16;
+      }
     std::vector<ClaimCounter> counters(calls * ((B + 3) / 4));
     std::exception_ptr error;
     std::atomic<bool> failed{false};
