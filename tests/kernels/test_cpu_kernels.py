@@ -263,6 +263,33 @@ def test_paged_decode_attention(kernels, dtype, H, KVH, D):
     assert close(out2, ref_decode(q[:B], kc, vc, tables, lens, scale), dtype)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_claimed_ranges_cover_the_work_once_and_a_slow_threads_share_moves(kernels, threads):
+    """claim_for's split (claim_ranges): each thread owns a fixed share of [0, n) and claims it from its front upward
+    in adjacent ranges (on an even host, as a fixed split walks it); a thread done with its own share takes the rest of
+    another's from its back. With one thread sleeping per item, the others finish its share: every item is claimed
+    exactly once, the slow thread takes fewer than its share (the others its share's back), and each thread's own
+    ranges start at its share's front, each where the last ended. With no thread slowed, every item is still claimed
+    once."""
+    n = 200
+    for slow, slow_us in ((1, 300), (-1, 0)):
+        got = kernels.claim_ranges_trace(n, threads, slow, slow_us)
+        seen = sorted((b, e) for _, b, e in got)
+        assert seen[0][0] == 0 and seen[-1][1] == n and all(b < e for b, e in seen)
+        assert all(seen[i][1] == seen[i + 1][0] for i in range(len(seen) - 1))  # no gap, no overlap
+        for t in range(threads):
+            lo, hi = n * t // threads, n * (t + 1) // threads
+            own = [(b, e) for u, b, e in got if u == t and lo <= b < hi]
+            assert not own or own[0][0] == lo  # its share from the front (all of it taken by others: none)
+            assert all(own[i][1] == own[i + 1][0] for i in range(len(own) - 1))  # upward, adjacent
+        if slow >= 0:
+            lo, hi = n * slow // threads, n * (slow + 1) // threads
+            taken = sum(e - b for u, b, e in got if u == slow)
+            assert taken < hi - lo, taken  # fewer than its fixed share
+            others = [(b, e) for u, b, e in got if u != slow and lo <= b < hi]
+            assert others and max(e for _, e in others) == hi  # the others took its share's back
+
+
 @pytest.mark.parametrize("arch", ["native", "x86-64-v3"])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_claimed_work_gives_the_bits_of_a_fixed_share(arch, threads):

@@ -67,6 +67,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "run DecodeStack's steps of few sequences as one team (one parallel region per step; default on) or with a "
         "parallel region per op (the same bits); returns the previous setting");
   m.def("decode_team_steps", &pagedserve::decode_team_steps, "how many DecodeStack steps have run as a team");
+  m.def("claim_ranges_trace", &pagedserve::claim_ranges_trace, py::arg("n"), py::arg("threads"), py::arg("slow"),
+        py::arg("slow_us"),
+        "claim_for's split of [0, n) on `threads` threads, thread `slow` sleeping slow_us per item: the (thread, begin, "
+        "end) ranges each took (a test of the claims)");
   m.def("set_amx", &pagedserve::set_amx, py::arg("enabled"),
         "switch the AMX routes on/off for this process; returns amx_active()");
   m.def("quant_linear_bf16", &pagedserve::quant_linear_bf16, py::arg("x"), py::arg("packed"), py::arg("type_id"),

@@ -306,16 +306,13 @@ class DecodeStack {
       }
     }
     std::vector<float> scratch;  // the decode attention's, shared by the team (Team::scratch)
-    // The counters the members' matmuls claim their work from (claim_for; Team::claims): one per few-rows kernel call
-    // of the step that claims (the float32 and int8 routes; the bf16 routes split in fixed shares: gemv_groups), a
-    // matmul's part being one and an int8 matmul one per 4 rows; beyond them the members would take fixed shares.
+    // The counters the members' matmuls claim their work from (claim_for; Team::claims): per few-rows kernel call of
+    // the step one per member, a matmul's part being one call and an int8 matmul one per 4 rows; beyond them the
+    // members would take fixed shares.
     int64_t calls = 0;
-    for (const auto& l : layers_)
-      for (const MatmulSpec* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-        calls += m->route != kQuantBf16;
-        for (const auto& part : m->more) calls += part.route != kQuantBf16;
-      }
-    std::vector<ClaimCounter> counters(calls * ((B + 3) / 4));
+    for (const auto& l : layers_) calls += 4 + static_cast<int64_t>(l.qkv.more.size() + l.gate_up.more.size());
+    const int64_t stride = at::get_num_threads();  // a counter per member (OpenMP may give fewer)
+    std::vector<ClaimCounter> counters(calls * ((B + 3) / 4) * stride);
     std::exception_ptr error;
     std::atomic<bool> failed{false};
     std::optional<TeamBarrier> barrier;
@@ -325,7 +322,7 @@ class DecodeStack {
 #pragma omp single
       barrier.emplace(n);  // (the end of single is a barrier: every thread sees it)
       TeamBarrier& bar = *barrier;
-      TeamClaims claims{counters.data(), static_cast<int64_t>(counters.size())};
+      TeamClaims claims{counters.data(), calls * ((B + 3) / 4), stride};
       // Thread t's share of one matmul (or part) of `in` into `out` (matmul_output hands out `out`; the few-rows
       // drivers claim their ranges from `claims`, claim_for); silu: a [gate; up] matmul's fused SwiGLU
       // (MatmulSpec::fused_silu).

@@ -7,9 +7,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <cstring>
+#include <thread>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -899,6 +902,28 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
       }
     }
   });
+}
+
+// claim_ranges run by `threads` std::threads over [0, n), thread `slow` sleeping slow_us per item: the ranges each
+// took, (thread, begin, end) in each thread's claiming order (tests: they cover [0, n) once, each owner's from the
+// front of its share upward, and a slow thread's share is finished by the others from its back).
+std::vector<std::tuple<int64_t, int64_t, int64_t>> claim_ranges_trace(int64_t n, int64_t threads, int64_t slow,
+                                                                      int64_t slow_us) {
+  TORCH_CHECK(n >= 0 && n < (int64_t{1} << 31) && threads >= 1 && threads <= 64, "claim_ranges_trace: bad n / threads");
+  std::vector<ClaimCounter> words(threads);
+  std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t>>> got(threads);
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      claim_ranges(words.data(), t, threads, n, [&](int64_t b, int64_t e) {
+        got[t].emplace_back(t, b, e);
+        if (t == slow) std::this_thread::sleep_for(std::chrono::microseconds(slow_us * (e - b)));
+      });
+    });
+  for (auto& th : pool) th.join();
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+  for (const auto& g : got) out.insert(out.end(), g.begin(), g.end());
+  return out;
 }
 
 }  // namespace pagedserve

@@ -17,6 +17,8 @@ bool decode_attention_in_team(c10::ScalarType q_dtype, int64_t H, const torch::T
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens);
 bool set_decode_team(bool enabled);
 int64_t decode_team_steps();
+std::vector<std::tuple<int64_t, int64_t, int64_t>> claim_ranges_trace(int64_t n, int64_t threads, int64_t slow,
+                                                                      int64_t slow_us);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool once = false);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps, bool once = false);
 void rms_norm_heads(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k_w, int64_t H, int64_t KVH, double eps,

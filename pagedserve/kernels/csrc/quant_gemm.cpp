@@ -686,32 +686,17 @@ __attribute__((noinline)) void write_silu(const float* acc, int64_t as, int64_t 
 
 constexpr int64_t kGemvRows = 4;  // up to here: the few-rows path
 
-// How the few-rows drivers split their groups between threads: Claimed, ranges claimed by whichever thread is free
-// (claim_for: in a decode step's team too, so that neither member waits for the other's fixed share on a slower
-// core): the float32 and int8 routes; else fixed shares (team_for): the bf16 routes. Claims took W2 on a busy Zen 3's
-// float32 route 1.04-1.07x faster (thirty-sixth part) and left the int8 route's as it was on a Zen 4 (0.995x), but
-// made the vdpbf16ps route's 5% slower there (0.952-0.953x, two A/Bs in one process: thirty-seventh part), so the
-// bf16 routes (AMX's too, never measured with claims) keep their fixed shares. The split never changes a result.
-template <bool Claimed, typename F>
-inline void split_groups(int64_t n, const F& f) {
-  if constexpr (Claimed) {
-    claim_for(n, f);
-  } else {
-    team_for(n, 1, f);
-  }
-}
-
-// The few-rows driver: threads split the groups of P (1 or 2) panels (split_groups); kernel(np, p0, acc) fills the
+// The few-rows driver: threads claim ranges of the groups of P (1 or 2) panels (claim_for: in a decode step's team
+// too, so that neither member waits for the other's fixed share on a slower core); kernel(np, p0, acc) fills the
 // M x 16 np sums of panels p0 .. p0 + np - 1 (row stride 16 np; M <= MaxRows), which are then written out with the
 // bias. setup() runs once per range and what it returns lives until the range ends (the AMX route's tile
 // configuration). w, pstride: the packed weights, so that a range starts its stream of panel bytes (the first
 // kStreamAhead of it, into L2; the kernels keep it going).
-template <int64_t MaxRows = kGemvRows, bool Claimed = true, typename OT, typename F,
-          typename S = decltype([] { return 0; })>
+template <int64_t MaxRows = kGemvRows, typename OT, typename F, typename S = decltype([] { return 0; })>
 inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int64_t pstride, const float* bias, OT* y,
                         int64_t N, F&& kernel, S setup = {}) {
   const int64_t groups = (panels + P - 1) / P;
-  split_groups<Claimed>(groups, [&](int64_t g0, int64_t g1) {
+  claim_for(groups, [&](int64_t g0, int64_t g1) {
     const int64_t task_bytes = (std::min(g1 * P, panels) - g0 * P) * pstride;
     prefetch_l2(w + g0 * P * pstride, std::min(kStreamAhead, task_bytes));
     [[maybe_unused]] const auto task = setup();
@@ -725,16 +710,15 @@ inline void gemv_groups(int64_t M, int P, int64_t panels, const uint8_t* w, int6
   });
 }
 
-// The few-rows fused SwiGLU's driver (gemv_groups' for a [gate; up] weight, N = 2 I): threads split the I / 16 pairs
-// of gate panel p and its up panel, which lie `pairs` panels apart (split_groups); kernel(p, acc) fills the (up to MaxRows) x 32 sums
+// The few-rows fused SwiGLU's driver (gemv_groups' for a [gate; up] weight, N = 2 I): threads claim the I / 16 pairs
+// of gate panel p and its up panel, which lie `pairs` panels apart; kernel(p, acc) fills the (up to MaxRows) x 32 sums
 // of pair p, then epilogue(p, acc) writes them as the many-rows route's epilogue does (silu_store16, write_silu8): the
 // same bits as the matmul's output through silu_and_mul, with no [M, 2 I] product in between and each thread's
 // epilogue on the sums it made.
-template <int64_t MaxRows = kGemvRows, bool Claimed = true, typename F, typename E,
-          typename S = decltype([] { return 0; })>
+template <int64_t MaxRows = kGemvRows, typename F, typename E, typename S = decltype([] { return 0; })>
 inline void gemv_silu_pairs(int64_t pairs, const uint8_t* w, int64_t pstride, F&& kernel, E&& epilogue,
                             S setup = {}) {
-  split_groups<Claimed>(pairs, [&](int64_t p0, int64_t p1) {
+  claim_for(pairs, [&](int64_t p0, int64_t p1) {
     const int64_t task_bytes = std::min(kStreamAhead / 2, (p1 - p0) * pstride);
     prefetch_l2(w + p0 * pstride, task_bytes);
     prefetch_l2(w + (pairs + p0) * pstride, task_bytes);
@@ -2016,7 +2000,7 @@ void quant_gemm_amx(const uint16_t* x, int64_t xs, const uint8_t* w, const float
   constexpr QuantType t = quant_type(T);
   const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
   if (M <= kAmxGemvRows) {
-    gemv_groups<kAmxGemvRows, false>(
+    gemv_groups<kAmxGemvRows>(
         M, 2, panels, w, pstride, bias, y, N,
         [&](int np, int64_t p0, float* acc) {
           if (np == 2) {
@@ -2087,7 +2071,7 @@ void quant_gemm_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, const floa
   constexpr QuantType t = quant_type(T);
   const int64_t panels = (N + 15) / 16, pstride = 16 * (K / t.block_size) * t.block_bytes;
   if (M <= kGemvRows) {
-    gemv_groups<kGemvRows, false>(M, 2, panels, w, pstride, bias, y, N, [&](int np, int64_t p0, float* acc) {
+    gemv_groups(M, 2, panels, w, pstride, bias, y, N, [&](int np, int64_t p0, float* acc) {
       if (np == 2) {
         gemv_bf16_rows<T, 2>(M, x, xs, w + p0 * pstride, pstride, K, acc);
       } else {
@@ -3222,14 +3206,14 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
     };
 #ifdef PAGEDSERVE_QUANT_AMX
     if (route.amx) {
-      gemv_silu_pairs<kAmxGemvRows, false>(
+      gemv_silu_pairs<kAmxGemvRows>(
           pairs, wp, pstride,
           [&](int64_t g, float* acc) { gemv_amx<T, 2, true>(xp, xs, wp + g * pstride, up, K, acc, 32); }, silu,
           [&] { return amx::Tiles(static_cast<int>(M)); });
       return;
     }
 #endif
-    gemv_silu_pairs<kGemvRows, false>(
+    gemv_silu_pairs(
         pairs, wp, pstride,
         [&](int64_t g, float* acc) { gemv_bf16_rows<T, 2, true>(M, xp, xs, wp + g * pstride, up, K, acc); }, silu);
   });
