@@ -178,8 +178,12 @@ inline void claim_for(int64_t n, const F& f) {
     at::parallel_for(0, n, 1, f);
     return;
   }
-  std::vector<ClaimCounter> words(std::max<int64_t>(1, at::get_num_threads()));
-  on_threads(n, [&](int64_t t, int64_t threads) { claim_ranges(words.data(), t, threads, n, f); });
+  constexpr int64_t kOnStack = 8;  // the counters of up to 8 threads on the stack (no allocation per call)
+  ClaimCounter local[kOnStack];
+  const int64_t threads = at::get_num_threads();
+  std::vector<ClaimCounter> more(threads > kOnStack ? threads : 0);
+  ClaimCounter* words = threads > kOnStack ? more.data() : local;
+  on_threads(n, [&](int64_t t, int64_t th) { claim_ranges(words, t, th, n, f); });
 }
 
 // body(next) once on each thread of a parallel region, next() handing out the items of [0, n) one at a time to
