@@ -162,9 +162,9 @@ def main() -> None:
     for path, overrides in ((args.a, args.a_config), (args.b, args.b_config)):
         build = load_build(path)
         kernels.load_extension = lambda arch="native", build=build: build  # what CpuKernels.build loads
-        fields = {"model": args.model} if args.model else {}
-        fields.update(config_value(item) for item in overrides)
-        engines.append(LLMEngine(EngineConfig(dtype="auto", **fields)))
+        fields = {"dtype": "auto", "model": args.model} if args.model else {"dtype": "auto"}
+        fields.update(config_value(item) for item in overrides)  # (dtype=float32: another route)
+        engines.append(LLMEngine(EngineConfig(**fields)))
         if shared is not None:
             shared.recording = False
     if shared is not None:
