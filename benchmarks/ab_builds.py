@@ -162,7 +162,7 @@ def main() -> None:
     for path, overrides in ((args.a, args.a_config), (args.b, args.b_config)):
         build = load_build(path)
         kernels.load_extension = lambda arch="native", build=build: build  # what CpuKernels.build loads
-        fields = {"dtype": "auto", "model": args.model} if args.model else {"dtype": "auto"}
+        fields = {"dtype": "auto", **({"model": args.model} if args.model else {})}
         fields.update(config_value(item) for item in overrides)  # (dtype=float32: another route)
         engines.append(LLMEngine(EngineConfig(**fields)))
         if shared is not None:

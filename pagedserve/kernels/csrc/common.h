@@ -165,17 +165,17 @@ inline void claim_ranges(ClaimCounter* words, int64_t t, int64_t threads, int64_
 template <typename F>
 inline void claim_for(int64_t n, const F& f) {
   if (n <= 0) return;
+  if (n >= (int64_t{1} << 31)) {  // past claim_ranges' 32-bit counts: fixed shares
+    team_for(n, 1, f);
+    return;
+  }
   if (g_team.t >= 0) {
     TeamClaims* c = g_team.claims;
-    if (c && c->next < c->size && g_team.n <= c->stride && n < (int64_t{1} << 31)) {
+    if (c && c->next < c->size && g_team.n <= c->stride) {
       claim_ranges(c->counters + (c->next++) * c->stride, g_team.t, g_team.n, n, f);
     } else {
       team_for(n, 1, f);
     }
-    return;
-  }
-  if (n >= (int64_t{1} << 31)) {
-    at::parallel_for(0, n, 1, f);
     return;
   }
   constexpr int64_t kOnStack = 8;  // the counters of up to 8 threads on the stack (no allocation per call)

@@ -311,8 +311,9 @@ class DecodeStack {
     // members would take fixed shares.
     int64_t calls = 0;
     for (const auto& l : layers_) calls += 4 + static_cast<int64_t>(l.qkv.more.size() + l.gate_up.more.size());
+    calls *= (B + 3) / 4;
     const int64_t stride = at::get_num_threads();  // a counter per member (OpenMP may give fewer)
-    std::vector<ClaimCounter> counters(calls * ((B + 3) / 4) * stride);
+    std::vector<ClaimCounter> counters(calls * stride);
     std::exception_ptr error;
     std::atomic<bool> failed{false};
     std::optional<TeamBarrier> barrier;
@@ -322,7 +323,7 @@ class DecodeStack {
 #pragma omp single
       barrier.emplace(n);  // (the end of single is a barrier: every thread sees it)
       TeamBarrier& bar = *barrier;
-      TeamClaims claims{counters.data(), calls * ((B + 3) / 4), stride};
+      TeamClaims claims{counters.data(), calls, stride};
       // Thread t's share of one matmul (or part) of `in` into `out` (matmul_output hands out `out`; the few-rows
       // drivers claim their ranges from `claims`, claim_for); silu: a [gate; up] matmul's fused SwiGLU
       // (MatmulSpec::fused_silu).
