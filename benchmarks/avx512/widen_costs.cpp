@@ -9,7 +9,11 @@
 // bundled model's hidden size), Q4_1 with make's magic form (the quant as a float's mantissa byte, one FMA per 16
 // weights, vcvtne2ps2bf16, vdpbf16ps):
 //  - vpermb:      quant_gemm.cpp's FastPairs<Q4_1>::get2 on today's layout (byte planes of 16 rows): per pair vector two
-//                 merge-masked vpermb move each row's (k, k + 1) quants into the lanes of two float vectors.
+//                 merge-masked vpermb move each row's (k, k + 1) quants into the lanes of two float vectors (the
+//                 few-rows GEMV's form for Q4_0 / Q4_1 until the thirty-eighth part).
+//  - nibbles:     FastPairs::get4, the GEMV's form since then: one unmasked vpermb per row half moves each lane's raw
+//                 byte (both nibbles) into all four bytes of the lane; a vpternlogd gives pair vector j's float (low
+//                 nibble) and, after a 4-bit shift, pair vector j + 8's (high nibble), held until its turn.
 //  - lane-local:  a layout that does not exist in the extension: each 64-byte load holds, in dword lane l, eight quants
 //                 of row l / 2 (rows 8.. in the next 64 bytes), k = 2 s + l % 2 in nibble s, so a float vector is a
 //                 shift and one vpternlogd (nibble & 0xF, | 2.0f) of a load: no lane crossing.
@@ -110,6 +114,45 @@ __attribute__((noinline)) void gemv_vpermb(const uint16_t* x, int64_t xs, const 
   for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (p * R + r) * 16, c[p][r]);
 }
 
+// FastPairs::get4 (Q4_0 / Q4_1, magic form): pair vectors j and j + 8 from one vpermb per row half; j + 8 held.
+template <int R, int P>
+__attribute__((noinline)) void gemv_nibbles(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride,
+                                            float* acc) {
+  __m512 c[P][R];
+  UNROLL
+  for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) c[p][r] = _mm512_setzero_ps();
+  const __m512i base = _mm512_set1_epi32(0x40000000), at16 = _mm512_set1_epi32(0x000F0000);
+  const auto flt = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, at16, base, 0xEA)); };
+  for (int64_t k0 = 0; k0 < kK; k0 += 32) {
+    const uint8_t* pb[P];
+    Scales sc[P];
+    block_start<P>(panel, pstride, k0, pb, sc);
+    __m512bh held[P][8];
+    UNROLL
+    for (int j = 0; j < 8; j += 2) {
+      UNROLL
+      for (int p = 0; p < P; ++p) {
+        const __m512i raw = _mm512_loadu_si512(pb[p] + 64 + 2 * j * 16);
+        UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const __m512i v0 = _mm512_permutexvar_epi8(byte_idx(0, half), raw);
+          const __m512i v1 = _mm512_permutexvar_epi8(byte_idx(8, half), raw);
+          const __m512 f0 = _mm512_fmadd_ps(flt(v0), sc[p].d0, sc[p].m0);
+          const __m512 f1 = _mm512_fmadd_ps(flt(v1), sc[p].d1, sc[p].m1);
+          const __m512 h0 = _mm512_fmadd_ps(flt(_mm512_srli_epi32(v0, 4)), sc[p].d0, sc[p].m0);
+          const __m512 h1 = _mm512_fmadd_ps(flt(_mm512_srli_epi32(v1, 4)), sc[p].d1, sc[p].m1);
+          held[p][j + half] = _mm512_cvtne2ps_pbh(h1, h0);
+          dots<R>(c[p], x, xs, k0 + 2 * (j + half), _mm512_cvtne2ps_pbh(f1, f0));
+        }
+      }
+    }
+    UNROLL
+    for (int j = 0; j < 8; ++j) UNROLL for (int p = 0; p < P; ++p) dots<R>(c[p], x, xs, k0 + 16 + 2 * j, held[p][j]);
+  }
+  UNROLL
+  for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (p * R + r) * 16, c[p][r]);
+}
+
 // Nibble s of every dword lane at bits 16-19, | 2.0f (Floor: the load itself).
 template <int s, bool Floor>
 inline __m512 nibble(__m512i v) {
@@ -190,15 +233,19 @@ void run(const char* name, F kernel) {
 
 int main() {
   run<1, 2>("vpermb", gemv_vpermb<1, 2>);
+  run<1, 2>("nibbles", gemv_nibbles<1, 2>);
   run<1, 2>("lane-local", gemv_lane<1, 2, false>);
   run<1, 2>("floor", gemv_lane<1, 2, true>);
   run<1, 1>("vpermb", gemv_vpermb<1, 1>);
   run<1, 1>("lane-local", gemv_lane<1, 1, false>);
   run<1, 4>("vpermb", gemv_vpermb<1, 4>);
+  run<1, 4>("nibbles", gemv_nibbles<1, 4>);
   run<1, 4>("lane-local", gemv_lane<1, 4, false>);
   run<2, 2>("vpermb", gemv_vpermb<2, 2>);
+  run<2, 2>("nibbles", gemv_nibbles<2, 2>);
   run<2, 2>("lane-local", gemv_lane<2, 2, false>);
   run<2, 2>("floor", gemv_lane<2, 2, true>);
   run<4, 1>("vpermb", gemv_vpermb<4, 1>);
+  run<4, 1>("nibbles", gemv_nibbles<4, 1>);
   run<4, 1>("lane-local", gemv_lane<4, 1, false>);
 }
