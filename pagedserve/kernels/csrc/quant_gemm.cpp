@@ -1281,7 +1281,9 @@ struct FastPairs {
 
   // d0, d1 and m0, m1 from the rows' scales D (d, or d * scale) and mins m (Q4_1, Q5_1: + m; K-quants: dmin * min,
   // subtracted). The magic form's c = a + b, a = m (-dmin * min; signed types: -128 D or -2^15 D), b = -128 D
-  // (-offset D), is taken where TwoSum's error is 0 in every row (a NaN or an infinity fails it).
+  // (-offset D), is taken where c - a == b and c - b == a in every row: c is the exact a + b exactly where both hold
+  // (Fast2Sum: with |x| >= |y| of the two, c - x is computed exactly, so it equals the other only where c does;
+  // a NaN or an infinity fails it). Two subtractions instead of TwoSum's five (Zen 4: 1.6% of a Q4_1 GEMV).
   inline void scales(__m512 D, __m512 m) {
     if constexpr (kMagic) {
       constexpr int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // explicit rounding: opaque to fast-math
@@ -1294,10 +1296,9 @@ struct FastPairs {
         a = kKScales ? _mm512_sub_round_ps(_mm512_setzero_ps(), m, rn) : m;
         b = _mm512_add_round_ps(sD, sD, rn);
       }
-      const __m512 c = _mm512_add_round_ps(a, b, rn), bb = _mm512_sub_round_ps(c, a, rn);
-      const __m512 err = _mm512_add_round_ps(_mm512_sub_round_ps(a, _mm512_sub_round_ps(c, bb, rn), rn),
-                                             _mm512_sub_round_ps(b, bb, rn), rn);
-      magic = _mm512_cmp_ps_mask(err, _mm512_setzero_ps(), _CMP_EQ_OQ) == 0xFFFF;
+      const __m512 c = _mm512_add_round_ps(a, b, rn);
+      magic = (_mm512_cmp_ps_mask(_mm512_sub_round_ps(c, a, rn), b, _CMP_EQ_OQ) &
+               _mm512_cmp_ps_mask(_mm512_sub_round_ps(c, b, rn), a, _CMP_EQ_OQ)) == 0xFFFF;
       if (magic) {
         pairs(_mm512_mul_ps(D, _mm512_set1_ps(kUnit)), d0, d1);
         pairs(c, m0, m1);
