@@ -1384,8 +1384,7 @@ struct FastPairs {
     return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
   }
 #else
-  static constexpr bool kNibbles = false;
-  inline void get4(int, __m512i&, __m512i&, __m512i&, __m512i&) const {}
+  static constexpr bool kNibbles = false;  // get4 is called only where it holds (in if constexpr branches)
   static constexpr bool kMagic = false;
   static constexpr float kSlowUnit = 1.f;
   inline void to_slow() {}
