@@ -51,6 +51,10 @@ struct Scales {  // make's magic form: F = 2 + q / 64, fma(F, 64 d, m - 128 d) =
     pairs(_mm512_mul_ps(d, _mm512_set1_ps(64.f)), d0, d1);
     pairs(_mm512_add_ps(m, _mm512_add_ps(sD, sD)), m0, m1);
   }
+  // The pair vector of magic-form floats F0 (rows 0-7) and F1 (rows 8-15): FastPairs::magic_pair.
+  __m512bh pair(__m512 F0, __m512 F1) const {
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(F1, d1, m1), _mm512_fmadd_ps(F0, d0, m0));
+  }
 };
 
 // The 32-k block at k0 of P panels: its bytes and scales.
@@ -79,18 +83,33 @@ inline void dots(__m512* c, const uint16_t* x, int64_t xs, int64_t k, __m512bh w
   }
 }
 
-// Today's layout and FastPairs' Q4_1 magic widening (get2 + make).
-template <int R, int P>
-__attribute__((noinline)) void gemv_vpermb(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride,
-                                           float* acc) {
+// What every form shares: P panels' R-row chains over K, started at 0 and stored to acc; block(k0, pb, sc, c) runs
+// the 32-k block at k0 (its bytes pb and scales sc per panel) into the chains c[panel][row].
+template <int R, int P, typename Block>
+__attribute__((always_inline)) inline void chains(const uint8_t* panel, int64_t pstride, float* acc,
+                                                  const Block& block) {
   __m512 c[P][R];
   UNROLL
   for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) c[p][r] = _mm512_setzero_ps();
-  const __m512i base = _mm512_set1_epi32(0x40000000), low4 = _mm512_set1_epi8(0x0F);
   for (int64_t k0 = 0; k0 < kK; k0 += 32) {
     const uint8_t* pb[P];
     Scales sc[P];
     block_start<P>(panel, pstride, k0, pb, sc);
+    block(k0, pb, sc, c);
+  }
+  UNROLL
+  for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (p * R + r) * 16, c[p][r]);
+}
+
+// Today's layout and FastPairs' Q4_1 magic widening (get2 + make).
+template <int R, int P>
+__attribute__((noinline)) void gemv_vpermb(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride,
+                                           float* acc) {
+  const __m512i base = _mm512_set1_epi32(0x40000000), low4 = _mm512_set1_epi8(0x0F);
+  const auto q = [&](__m512i idx, __m512i v) {
+    return _mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, 0x4444444444444444ull, idx, v));
+  };
+  chains<R, P>(panel, pstride, acc, [&](int64_t k0, const uint8_t* const* pb, const Scales* sc, __m512 (*c)[R]) {
     UNROLL
     for (int j = 0; j < 16; j += 2) {
       UNROLL
@@ -98,35 +117,20 @@ __attribute__((noinline)) void gemv_vpermb(const uint16_t* x, int64_t xs, const 
         const __m512i raw = _mm512_loadu_si512(pb[p] + 64 + 2 * (j & 7) * 16);
         const __m512i v = j < 8 ? _mm512_and_si512(raw, low4) : _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         UNROLL
-        for (int half = 0; half < 2; ++half) {
-          const __m512 f0 = _mm512_fmadd_ps(
-              _mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, 0x4444444444444444ull, byte_idx(0, half), v)),
-              sc[p].d0, sc[p].m0);
-          const __m512 f1 = _mm512_fmadd_ps(
-              _mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, 0x4444444444444444ull, byte_idx(8, half), v)),
-              sc[p].d1, sc[p].m1);
-          dots<R>(c[p], x, xs, k0 + 2 * (j + half), _mm512_cvtne2ps_pbh(f1, f0));
-        }
+        for (int half = 0; half < 2; ++half)
+          dots<R>(c[p], x, xs, k0 + 2 * (j + half), sc[p].pair(q(byte_idx(0, half), v), q(byte_idx(8, half), v)));
       }
     }
-  }
-  UNROLL
-  for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (p * R + r) * 16, c[p][r]);
+  });
 }
 
 // FastPairs::get4 (Q4_0 / Q4_1, magic form): pair vectors j and j + 8 from one vpermb per row half; j + 8 held.
 template <int R, int P>
 __attribute__((noinline)) void gemv_nibbles(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride,
                                             float* acc) {
-  __m512 c[P][R];
-  UNROLL
-  for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) c[p][r] = _mm512_setzero_ps();
   const __m512i base = _mm512_set1_epi32(0x40000000), at16 = _mm512_set1_epi32(0x000F0000);
   const auto flt = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, at16, base, 0xEA)); };
-  for (int64_t k0 = 0; k0 < kK; k0 += 32) {
-    const uint8_t* pb[P];
-    Scales sc[P];
-    block_start<P>(panel, pstride, k0, pb, sc);
+  chains<R, P>(panel, pstride, acc, [&](int64_t k0, const uint8_t* const* pb, const Scales* sc, __m512 (*c)[R]) {
     __m512bh held[P][8];
     UNROLL
     for (int j = 0; j < 8; j += 2) {
@@ -137,20 +141,14 @@ __attribute__((noinline)) void gemv_nibbles(const uint16_t* x, int64_t xs, const
         for (int half = 0; half < 2; ++half) {
           const __m512i v0 = _mm512_permutexvar_epi8(byte_idx(0, half), raw);
           const __m512i v1 = _mm512_permutexvar_epi8(byte_idx(8, half), raw);
-          const __m512 f0 = _mm512_fmadd_ps(flt(v0), sc[p].d0, sc[p].m0);
-          const __m512 f1 = _mm512_fmadd_ps(flt(v1), sc[p].d1, sc[p].m1);
-          const __m512 h0 = _mm512_fmadd_ps(flt(_mm512_srli_epi32(v0, 4)), sc[p].d0, sc[p].m0);
-          const __m512 h1 = _mm512_fmadd_ps(flt(_mm512_srli_epi32(v1, 4)), sc[p].d1, sc[p].m1);
-          held[p][j + half] = _mm512_cvtne2ps_pbh(h1, h0);
-          dots<R>(c[p], x, xs, k0 + 2 * (j + half), _mm512_cvtne2ps_pbh(f1, f0));
+          held[p][j + half] = sc[p].pair(flt(_mm512_srli_epi32(v0, 4)), flt(_mm512_srli_epi32(v1, 4)));
+          dots<R>(c[p], x, xs, k0 + 2 * (j + half), sc[p].pair(flt(v0), flt(v1)));
         }
       }
     }
     UNROLL
     for (int j = 0; j < 8; ++j) UNROLL for (int p = 0; p < P; ++p) dots<R>(c[p], x, xs, k0 + 16 + 2 * j, held[p][j]);
-  }
-  UNROLL
-  for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (p * R + r) * 16, c[p][r]);
+  });
 }
 
 // Nibble s of every dword lane at bits 16-19, | 2.0f (Floor: the load itself).
@@ -169,13 +167,7 @@ inline __m512 nibble(__m512i v) {
 template <int R, int P, bool Floor>
 __attribute__((noinline)) void gemv_lane(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t pstride,
                                          float* acc) {
-  __m512 c[P][R];
-  UNROLL
-  for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) c[p][r] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < kK; k0 += 32) {
-    const uint8_t* pb[P];
-    Scales sc[P];
-    block_start<P>(panel, pstride, k0, pb, sc);
+  chains<R, P>(panel, pstride, acc, [&](int64_t k0, const uint8_t* const* pb, const Scales* sc, __m512 (*c)[R]) {
     UNROLL
     for (int half = 0; half < 2; ++half) {
       __m512i A[P], B[P];
@@ -186,18 +178,13 @@ __attribute__((noinline)) void gemv_lane(const uint16_t* x, int64_t xs, const ui
       }
       const auto step = [&]<int s>() {
         UNROLL
-        for (int p = 0; p < P; ++p) {
-          const __m512 f0 = _mm512_fmadd_ps(nibble<s, Floor>(A[p]), sc[p].d0, sc[p].m0);
-          const __m512 f1 = _mm512_fmadd_ps(nibble<s, Floor>(B[p]), sc[p].d1, sc[p].m1);
-          dots<R>(c[p], x, xs, k0 + half * 16 + 2 * s, _mm512_cvtne2ps_pbh(f1, f0));
-        }
+        for (int p = 0; p < P; ++p)
+          dots<R>(c[p], x, xs, k0 + half * 16 + 2 * s, sc[p].pair(nibble<s, Floor>(A[p]), nibble<s, Floor>(B[p])));
       };
       [&]<int... s>(std::integer_sequence<int, s...>) { (step.template operator()<s>(), ...); }(
           std::make_integer_sequence<int, 8>{});
     }
-  }
-  UNROLL
-  for (int p = 0; p < P; ++p) UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (p * R + r) * 16, c[p][r]);
+  });
 }
 
 double tsc_per_cycle() {

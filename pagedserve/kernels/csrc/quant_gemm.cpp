@@ -1327,15 +1327,22 @@ struct FastPairs {
     }
   }
 
+  // The pair vector of make's magic-form floats F0 (rows 0-7) and F1 (rows 8-15), each lane a quant under kBase:
+  // fma(F, D', c), rounded to bf16.
+  inline __m512i magic_pair(__m512i F0, __m512i F1) const {
+    const __m512 f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(F0), d0, m0);
+    const __m512 f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(F1), d1, m1);
+    return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+  }
+
   // 64 bytes, [byte plane a (16 rows) | plane a + 1] twice -> pair vector of the two k's of the half's planes.
   template <bool Magic>
   inline __m512i make(__m512i v, int half, bool second) const {
     __m512 f0, f1;
     if constexpr (Magic && kMagic) {
       const __m512i base = _mm512_set1_epi32(kBase);
-      f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(0, half), v)), d0, m0);
-      f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(8, half), v)), d1, m1);
-      return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+      return magic_pair(_mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(0, half), v),
+                        _mm512_mask_permutexvar_epi8(base, kMagicByte, byte_idx(8, half), v));
     }
     constexpr __mmask64 top = 0x8888888888888888ull;
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, byte_idx(0, half), v));
@@ -1376,12 +1383,8 @@ struct FastPairs {
   // The pair vector of rows 0-7 (v0) and 8-15 (v1) from the nibbles at bits 16-19 of their lanes (magic form).
   inline __m512i nibbles(__m512i v0, __m512i v1) const {
     const __m512i at16 = _mm512_set1_epi32(0x000F0000), base = _mm512_set1_epi32(kBase);
-    // 0xEA: (v & at16) | base
-    const __m512 f0 =
-        _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(v0, at16, base, 0xEA)), d0, m0);
-    const __m512 f1 =
-        _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(v1, at16, base, 0xEA)), d1, m1);
-    return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+    return magic_pair(_mm512_ternarylogic_epi32(v0, at16, base, 0xEA),  // 0xEA: (v & at16) | base
+                      _mm512_ternarylogic_epi32(v1, at16, base, 0xEA));
   }
 #else
   static constexpr bool kNibbles = false;  // get4 is called only where it holds (in if constexpr branches)
