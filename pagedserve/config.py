@@ -65,6 +65,12 @@ class EngineConfig:
     max_num_batched_tokens: int = _knob(2048, "token budget of one step")
     max_model_len: int | None = _knob(None, "context length (default: the model's)")
     seed: int = _knob(0, "seed of the engine's sampler (requests without their own seed)")
+    num_scheduler_steps: int | None = _knob(
+        None, "decode steps run per scheduling step (vLLM's multi-step scheduling): while every running request "
+        "decodes greedily with nothing to adjust or report and none waits, the model runs this many steps back to "
+        "back, each feeding its argmaxes to the next, and the engine takes their tokens at once (the same tokens as "
+        "one step at a time; stop strings, EOS and max_tokens cut them where single steps would have stopped). "
+        "Default: 8 for the offline API (LLM, pagedserve bench), 1 elsewhere (a server streams token by token)")
     # ---- compute paths (the defaults come from envs.py's variables) ----
     attention_backend: str = _knob("auto", "attention over the paged cache: batched (C++ decode kernel + "
                                    "SDPA), torch_ref (the pure-PyTorch reference, no C++ anywhere), triton "
@@ -179,6 +185,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r} "
                              f"(choose from {sorted(ATTENTION_BACKENDS)})")
+        steps = self.num_scheduler_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 64):
+            raise ValueError(f"num_scheduler_steps: must be an integer from 1 to 64 (or None), got {steps!r}")
         if self.fixed_matmuls is not None and not isinstance(self.fixed_matmuls, bool):
             raise ValueError(f"fixed_matmuls: must be true, false or None, got {self.fixed_matmuls!r}")
         for f in fields(self):

@@ -41,6 +41,9 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits admitted this step
     num_spec_tokens: int = 0  # draft tokens scheduled (part of num_scheduled_tokens and num_decode_tokens)
+    # Multi-step (schedule's num_steps): every scheduled request decodes this many tokens in a row, the model
+    # feeding each step's greedy token to the next; each has the slots for them. 1: one step as usual.
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -92,8 +95,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_steps: int = 1) -> SchedulerOutput:
+        """The next step. num_steps > 1 (the engine's multi-step, asked only while every running request decodes
+        greedily): when nobody waits and every running request decodes one token, each gets the slots of up to
+        num_steps tokens (no more than its max_tokens leaves) and the step runs that many decode steps in a row
+        (SchedulerOutput.num_steps); otherwise, or where the blocks for that are short, a step as usual."""
         out = SchedulerOutput()
+        if num_steps > 1 and self._schedule_steps(out, num_steps):
+            return out
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -121,6 +130,26 @@ class Scheduler:
                 budget -= num_new + len(spec)
                 i += 1
         return budget
+
+    def _schedule_steps(self, out: SchedulerOutput, num_steps: int) -> bool:
+        running = self.running
+        if self.waiting or not running or len(running) > self.config.max_num_batched_tokens:
+            return False
+        if any(r.num_tokens - r.num_computed_tokens != 1 or r.spec_token_ids for r in running):
+            return False
+        n = min(num_steps, *(r.max_tokens - r.num_output_tokens for r in running))
+        if n < 2:
+            return False
+        for i, req in enumerate(running):
+            if self.kv.allocate_slots(req, n) is None:  # short of blocks: give back the lookahead, one step
+                for r in running[:i]:
+                    self.kv.trim(r, r.num_computed_tokens)
+                return False
+        for req in running:
+            self._emit(req, 1, out)
+        out.num_steps = n
+        out.num_scheduled_tokens = out.num_decode_tokens = n * len(running)
+        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: drop the KV, keep the tokens, go back to the front of the queue."""
@@ -191,7 +220,10 @@ class Scheduler:
                 tokens = [tokens]
             num_drafts = len(s.spec_token_ids)
             accepted = len(tokens) - 1 if tokens and num_drafts else 0
-            req.num_computed_tokens += len(s.token_ids) - num_drafts + accepted
+            if out.num_steps > 1:  # multi-step: the input token's K/V and each fed-back token's, one per token
+                req.num_computed_tokens += len(tokens or ())
+            else:
+                req.num_computed_tokens += len(s.token_ids) - num_drafts + accepted
             req.spec_token_ids = []
             # Lookahead slots of rejected (or dropped) drafts go back; without drafts this frees nothing.
             self.kv.trim(req, req.num_computed_tokens)

@@ -33,8 +33,9 @@ from pagedserve.executor.tensor_parallel import plan as tp_plan
 from pagedserve.kernels import CpuKernels
 from pagedserve.model.loader import load_model, resolve_dtype
 from pagedserve.outputs import RequestMetrics, RequestOutput
-from pagedserve.sampling.metadata import RequestGenerators, SamplingMetadata
+from pagedserve.sampling.metadata import RequestGenerators, SamplingMetadata, has_penalty
 from pagedserve.sampling.rejection_sampler import VerifyOutput
+from pagedserve.sampling.sampler import StepsOutput
 from pagedserve.sampling_params import SamplingParams, check_text
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.speculator import Speculator
@@ -119,6 +120,9 @@ class LLMEngine:
             self.runner.enable_decode_graphs(sizes, -(-self.max_model_len // config.block_size))
         # The engine runs steps only through the executor (one process, or rank 0 of a tensor-parallel group).
         self.executor = UniProcExecutor(self.runner) if tp is None else MultiprocExecutor(self.runner, *tp)
+        # Multi-step decoding (EngineConfig.num_scheduler_steps; None: 1) in one process only: tensor-parallel
+        # ranks run one forward per broadcast step.
+        self.num_scheduler_steps = (config.num_scheduler_steps or 1) if tp is None else 1
         self.weight_bytes = loaded.model.weight_bytes()  # after the matmul set-up (its packed copies count)
         logger.info("weights: %s held in memory%s", human_bytes(self.weight_bytes),
                     " (GGUF blocks read in place)" if loaded.model.holds_blocks else "")
@@ -402,7 +406,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.step_count, self.max_model_len,
                                     self.structured.matchers.__contains__)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._num_steps())
         self._step_mask = None
         if sched.is_empty and not touched and not finished and self._awaiting_grammar:
             return []  # only waiting for grammars to compile: nothing to record
@@ -416,6 +420,19 @@ class LLMEngine:
             if parent.finished:
                 self._drop(parent)
         return outputs
+
+    def _num_steps(self) -> int:
+        """How many decode steps the next schedule may run in a row (config.num_scheduler_steps, resolved at
+        start-up): 1 unless every running request decodes plainly greedily (no penalties, logprobs, grammar,
+        drafts, min_tokens left) in one process. The runner checks the rest (the decode stack, the greedy head)."""
+        n = self.num_scheduler_steps
+        if n <= 1 or self.speculator is not None or self.structured.matchers or self.runner.on_logits is not None:
+            return 1
+        for req in self.scheduler.running:
+            p = req.sampling_params
+            if not p.greedy or has_penalty(p) or p.logprobs is not None or req.num_output_tokens < p.min_tokens:
+                return 1
+        return n
 
     def _run(self, sched: SchedulerOutput, touched: dict, finished: dict, start: float) -> None:
         for s in sched.scheduled:
@@ -474,7 +491,7 @@ class LLMEngine:
         result = self.executor.execute(sched, meta)
         if result is None:
             return {}
-        if isinstance(result, VerifyOutput):
+        if isinstance(result, VerifyOutput | StepsOutput):
             return {r.request_id: (t, lp) for r, t, lp in zip(requests, result.token_ids, result.logprobs, strict=True)}
         return {r.request_id: ([t], [lp])
                 for r, t, lp in zip(requests, result.token_ids, result.logprobs, strict=True)}
@@ -546,7 +563,7 @@ class LLMEngine:
             num_scheduled_tokens=sched.num_scheduled_tokens,
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens,
-            scheduled={s.request_id: len(s.token_ids) for s in sched.scheduled},
+            scheduled={s.request_id: len(s.token_ids) * sched.num_steps for s in sched.scheduled},
             prefill_requests=[s.request_id for s in sched.scheduled if s.is_prefill],
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -569,6 +586,7 @@ class LLMEngine:
             spec_accepted=self._step_spec[1],
             propose_s=self.speculator.last_propose_s if self.speculator is not None else 0.0,
             block_tables={s.request_id: s.block_table for s in sched.scheduled} if keep else None,
+            num_steps=sched.num_steps,
         )
         self.step_records.append(rec)
         limit = self.config.max_block_table_records

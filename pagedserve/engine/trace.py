@@ -56,6 +56,9 @@ class StepRecord:
     spec_accepted: dict[str, int] = field(default_factory=dict)
     propose_s: float = 0.0
     block_tables: dict[str, list[int]] | None = None  # only when the engine is asked to keep them
+    # Multi-step (num_scheduler_steps): the decode steps this record's step ran in a row (scheduled and the token
+    # counts cover them all).
+    num_steps: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)

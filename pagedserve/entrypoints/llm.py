@@ -13,6 +13,10 @@ from pagedserve.engine.engine import LLMEngine, Prompt
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
+# num_scheduler_steps when the caller leaves it unset: the offline API returns whole outputs, so decode steps may
+# run in runs of 8 (EngineConfig.num_scheduler_steps).
+OFFLINE_SCHEDULER_STEPS = 8
+
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
@@ -22,6 +26,8 @@ class LLM:
         unknown = set(kwargs) - set(EngineConfig.field_names())
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: unknown engine argument")
+        if kwargs.get("num_scheduler_steps") is None:  # offline: no stream to keep token by token
+            kwargs["num_scheduler_steps"] = OFFLINE_SCHEDULER_STEPS
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 

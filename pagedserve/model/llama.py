@@ -224,20 +224,15 @@ class LlamaForCausalLM(nn.Module):
         # carries none.
         meta.sliding_window = None
         cfg = self.config
-        x = self.embed(input_ids)
-        if cfg.embed_scale is not None:  # Gemma: in the model's dtype, as transformers does
-            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        x = self._input_embeddings(input_ids)
         kernels = self.kernels if x.device.type == "cpu" else None
         # Every row samples (decode steps): the indices are 0..T-1 (prepare_inputs lists them in increasing order).
         all_rows = logits_indices is None or logits_indices.shape[0] == x.shape[0]
         if self._decode_stack_applies(backend, meta):
             # A few decoding sequences: every layer in one C++ call (same kernels, same order), the rotary tables
             # looked up there and, when every row samples, the final norm applied there too.
-            stack = self._decode_stack(kv_caches, backend.row_invariant)
-            local = self.rotary_local
-            x = stack.forward(x, self.rotary.cos, self.rotary.sin, meta.slot_mapping, meta.block_tables,
-                              meta.seq_lens, None if local is None else local.cos, None if local is None else local.sin,
-                              positions=positions, final_norm=self.norm.weight if all_rows else None)
+            x = self._stack_forward(self._decode_stack(kv_caches, backend.row_invariant), x, positions,
+                                    meta.slot_mapping, meta.block_tables, meta.seq_lens, all_rows)
             normed = all_rows
         else:
             rope = self.rotary.cos_sin(positions)
@@ -273,6 +268,59 @@ class LlamaForCausalLM(nn.Module):
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    @torch.inference_mode()
+    def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache,
+                     backend: AttentionBackend, meta: AttentionMetadata, num_steps: int) -> torch.Tensor | None:
+        """Multi-step greedy decoding (the engine's num_scheduler_steps): num_steps decode steps of these
+        sequences (one new token each, every row sampling), each step's argmaxes the next one's input tokens.
+        int64 [steps, B]: step s's argmax of each row, as forward(greedy=True) and the sampler's greedy path take
+        it one step at a time; fewer steps when one gives -1 (a NaN logit: its row is the last). The K/V of
+        positions[b] + s is written to the slot the block tables give it, so each sequence needs those slots.
+        None (and nothing run) where a step would not run on the decode stack: the C++ kernels, one rank, no
+        final-logit soft-capping."""
+        cfg = self.config
+        if self.tp is not None or cfg.final_logit_softcapping is not None or \
+                not self._decode_stack_applies(backend, meta):
+            return None
+        meta.sliding_window = None
+        stack = self._decode_stack(kv_caches, backend.row_invariant)
+        head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
+        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        # Every step's positions, slots and lengths at once: [steps, B] (row s contiguous).
+        step = torch.arange(num_steps).unsqueeze(1)
+        pos = positions.unsqueeze(0) + step
+        seq_lens = meta.seq_lens.unsqueeze(0) + step
+        bs = meta.block_size
+        slots = (meta.block_tables.gather(1, (pos // bs).T).T * bs + pos % bs).contiguous()
+        out = torch.empty(num_steps, input_ids.shape[0], dtype=torch.long)
+        ids = input_ids
+        for s in range(num_steps):
+            x = self._stack_forward(stack, self._input_embeddings(ids), pos[s], slots[s], meta.block_tables,
+                                    seq_lens[s], True)
+            got = head.argmax(x)
+            if got is None:  # logits, then the argmax the sampler's plain greedy path takes
+                got = self.kernels.argmax_rows(head(x, weight, None).float())
+            out[s] = got
+            if s + 1 < num_steps and int(got.min()) < 0:
+                return out[: s + 1]
+            ids = got
+        return out
+
+    def _input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        if self.config.embed_scale is not None:  # Gemma: in the model's dtype, as transformers does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def _stack_forward(self, stack, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, final_norm: bool) -> torch.Tensor:
+        """One decode step through the C++ DecodeStack: the rotary tables looked up there and (final_norm) the
+        model's last norm applied there too."""
+        local = self.rotary_local
+        return stack.forward(x, self.rotary.cos, self.rotary.sin, slot_mapping, block_tables, seq_lens,
+                             None if local is None else local.cos, None if local is None else local.sin,
+                             positions=positions, final_norm=self.norm.weight if final_norm else None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

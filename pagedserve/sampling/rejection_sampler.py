@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.sampling.metadata import SamplingMetadata
-from pagedserve.sampling.sampler import Sampler, _in_vocab
+from pagedserve.sampling.sampler import Sampler, in_vocab
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, draft
     if sampler.kernels is not None and logits.device.type == "cpu" and meta.all_plain_greedy:
         sampler._apply_token_mask(logits, meta)
         raw, adjusted = logits, logits
-        argmax = _in_vocab(sampler.kernels.argmax_rows(logits).tolist(), vocab)
+        argmax = in_vocab(sampler.kernels.argmax_rows(logits).tolist(), vocab)
     else:
         raw, adjusted = sampler.adjust(logits, meta)
         argmax = adjusted.argmax(dim=-1).tolist()
@@ -55,7 +55,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, draft
         tokens.append(out)
         rows.extend(range(row, row + len(out)))
         row += k + 1
-    flat = _in_vocab([t for out in tokens for t in out], vocab)
+    flat = in_vocab([t for out in tokens for t in out], vocab)
     wanted = meta.num_logprobs or [None] * meta.num_rows
     if all(wanted[r] is None for r in rows):
         lps = [None] * len(rows)

@@ -33,6 +33,14 @@ class SamplerOutput:
     logprobs: list[tuple[float, int, list[int], list[float]] | None]
 
 
+@dataclass
+class StepsOutput:
+    """A multi-step schedule's tokens (ModelRunner.execute): per row, one greedy token per step run."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[None]]  # (none asked for: multi-step runs only plain greedy rows)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, kernels: CpuKernels | None = None, batch_invariant: bool = False,
                  device: torch.device | str = "cpu") -> None:
@@ -47,7 +55,7 @@ class Sampler:
         if self._kernels_for(logits) and meta.all_plain_greedy:
             # Greedy with nothing to adjust or report: argmax straight on the model's (masked) logits.
             self._apply_token_mask(logits, meta)
-            return SamplerOutput(_in_vocab(self.kernels.argmax_rows(logits).tolist(), logits.shape[1]),
+            return SamplerOutput(in_vocab(self.kernels.argmax_rows(logits).tolist(), logits.shape[1]),
                                  [None] * meta.num_rows)
         raw, logits = self.adjust(logits, meta)
         if meta.all_greedy:
@@ -57,13 +65,13 @@ class Sampler:
         else:
             drawn = self._draw(self.probs(logits, meta), meta.generators)
             tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
-        token_list = _in_vocab(tokens.tolist(), logits.shape[1])
+        token_list = in_vocab(tokens.tolist(), logits.shape[1])
         return SamplerOutput(token_list, self.logprobs(raw, token_list, meta.num_logprobs))
 
     def from_argmax(self, ids: torch.Tensor, vocab: int) -> SamplerOutput:
         """An all-plain-greedy step whose model handed over each row's argmax (int64 [rows], -1 for a row with a NaN
         logit) instead of its logits: those tokens, as __call__'s greedy path would pick them."""
-        return SamplerOutput(_in_vocab(ids.tolist(), vocab), [None] * ids.shape[0])
+        return SamplerOutput(in_vocab(ids.tolist(), vocab), [None] * ids.shape[0])
 
     def adjust(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(the raw float32 logits, the logits after the grammar mask, min_tokens and the penalties)."""
@@ -201,7 +209,7 @@ class Sampler:
     def _inverse_cdf(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Per row, the first index whose running sum (float64, in index order) exceeds u times the row's total: a
         weight of 0 is never drawn; rounding past the end draws the last positive weight; a row without a positive
-        finite total gives -1 (`_in_vocab` names it). The C++ kernel on the CPU (the exponential race it replaces
+        finite total gives -1 (`in_vocab` names it). The C++ kernel on the CPU (the exponential race it replaces
         drew one random number per vocabulary entry: 0.7 s per step for 128 rows of a 262,144-token vocabulary),
         torch's cumsum elsewhere: the same indices."""
         probs = probs.float()
@@ -241,7 +249,7 @@ class Sampler:
         return result
 
 
-def _in_vocab(tokens: list[int], vocab: int) -> list[int]:
+def in_vocab(tokens: list[int], vocab: int) -> list[int]:
     """The sampled ids, or an error naming the row: an id outside the vocabulary (from non-finite logits)
     must never reach a request (the engine then fails only the request(s) responsible)."""
     for row, t in enumerate(tokens):

@@ -22,7 +22,7 @@ from pagedserve.model.llama import KVCache, LlamaForCausalLM
 from pagedserve.model.matmul import Route
 from pagedserve.sampling.metadata import SamplingMetadata
 from pagedserve.sampling.rejection_sampler import VerifyOutput, verify
-from pagedserve.sampling.sampler import Sampler, SamplerOutput
+from pagedserve.sampling.sampler import Sampler, SamplerOutput, StepsOutput, in_vocab
 
 logger = logging.getLogger("pagedserve")
 
@@ -157,11 +157,25 @@ class ModelRunner:
         return [i for i, s in enumerate(out.scheduled) if s.sample]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> SamplerOutput | VerifyOutput | None:
+    def execute(self, out: SchedulerOutput,
+                sampling: SamplingMetadata | None) -> SamplerOutput | VerifyOutput | StepsOutput | None:
         """Run the step; the sampled tokens of the `sample_rows` (None when no row samples). With draft
         tokens in the step, what the rejection sampler kept of each sampling row's drafts (VerifyOutput);
-        `sampling` then has one row per scored position."""
-        return self.sample(out, sampling, self.forward(self.prepare_inputs(out), self.only_argmax(out, sampling)))
+        `sampling` then has one row per scored position. A multi-step schedule (out.num_steps > 1) whose rows all
+        decode plainly greedily on the decode stack runs its steps in a row (StepsOutput); anywhere else one step
+        (the lookahead slots go back when the scheduler takes the one token)."""
+        inputs = self.prepare_inputs(out)
+        greedy = self.only_argmax(out, sampling)
+        if out.num_steps > 1 and greedy and self.graphs is None:
+            input_ids, positions, meta, _ = inputs
+            steps = self.model.greedy_steps(input_ids, positions, self.kv_caches, self.backend, meta, out.num_steps)
+            if steps is not None:
+                vocab = self.model.config.vocab_size
+                rows = steps.T.tolist()
+                for row in rows:
+                    in_vocab(row, vocab)  # a NaN logit's -1: the step fails as a single one would
+                return StepsOutput(rows, [[None] * len(row) for row in rows])
+        return self.sample(out, sampling, self.forward(inputs, greedy))
 
     def only_argmax(self, out: SchedulerOutput, sampling: SamplingMetadata | None) -> bool:
         """Whether the step needs nothing of its logits but each row's argmax (then the model may hand those over
