@@ -120,9 +120,10 @@ class LLMEngine:
             self.runner.enable_decode_graphs(sizes, -(-self.max_model_len // config.block_size))
         # The engine runs steps only through the executor (one process, or rank 0 of a tensor-parallel group).
         self.executor = UniProcExecutor(self.runner) if tp is None else MultiprocExecutor(self.runner, *tp)
-        # Multi-step decoding (EngineConfig.num_scheduler_steps; None: 1) in one process only: tensor-parallel
-        # ranks run one forward per broadcast step.
-        self.num_scheduler_steps = (config.num_scheduler_steps or 1) if tp is None else 1
+        # Multi-step decoding (EngineConfig.num_scheduler_steps; None: 1; LLM.generate sets its own while it runs),
+        # in one process only: tensor-parallel ranks run one forward per broadcast step.
+        self.num_scheduler_steps = config.num_scheduler_steps or 1
+        self._multi_step_capable = tp is None
         self.weight_bytes = loaded.model.weight_bytes()  # after the matmul set-up (its packed copies count)
         logger.info("weights: %s held in memory%s", human_bytes(self.weight_bytes),
                     " (GGUF blocks read in place)" if loaded.model.holds_blocks else "")
@@ -422,11 +423,12 @@ class LLMEngine:
         return outputs
 
     def _num_steps(self) -> int:
-        """How many decode steps the next schedule may run in a row (config.num_scheduler_steps, resolved at
-        start-up): 1 unless every running request decodes plainly greedily (no penalties, logprobs, grammar,
-        drafts, min_tokens left) in one process. The runner checks the rest (the decode stack, the greedy head)."""
+        """How many decode steps the next schedule may run in a row (num_scheduler_steps): 1 unless every running
+        request decodes plainly greedily (no penalties, logprobs, grammar, drafts, min_tokens left) in one process.
+        The runner checks the rest (the decode stack, the greedy head)."""
         n = self.num_scheduler_steps
-        if n <= 1 or self.speculator is not None or self.structured.matchers or self.runner.on_logits is not None:
+        if (n <= 1 or not self._multi_step_capable or self.speculator is not None or self.structured.matchers
+                or self.runner.on_logits is not None):
             return 1
         for req in self.scheduler.running:
             p = req.sampling_params

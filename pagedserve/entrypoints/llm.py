@@ -13,8 +13,8 @@ from pagedserve.engine.engine import LLMEngine, Prompt
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
-# num_scheduler_steps when the caller leaves it unset: the offline API returns whole outputs, so decode steps may
-# run in runs of 8 (EngineConfig.num_scheduler_steps).
+# num_scheduler_steps of LLM.generate / chat when the caller leaves it unset: they return whole outputs, so decode
+# steps may run in runs of 8 (EngineConfig.num_scheduler_steps).
 OFFLINE_SCHEDULER_STEPS = 8
 
 
@@ -26,9 +26,10 @@ class LLM:
         unknown = set(kwargs) - set(EngineConfig.field_names())
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: unknown engine argument")
-        if kwargs.get("num_scheduler_steps") is None:  # offline: no stream to keep token by token
-            kwargs["num_scheduler_steps"] = OFFLINE_SCHEDULER_STEPS
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        # generate / chat return whole outputs: no stream to keep token by token (the engine itself, when a caller
+        # steps it, keeps the configured value: 1 unless set)
+        self._num_scheduler_steps = kwargs.get("num_scheduler_steps") or OFFLINE_SCHEDULER_STEPS
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -91,6 +92,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, out_tokens = time.time(), 0
+        configured, self.engine.num_scheduler_steps = self.engine.num_scheduler_steps, self._num_scheduler_steps
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -103,5 +105,6 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         finally:
+            self.engine.num_scheduler_steps = configured
             bar.close()
         return [results[i] for i in ids]

@@ -67,7 +67,8 @@ def test_block_tables_are_kept_for_the_newest_steps_only():
     """A server keeps block tables only for the dashboard's window: memory stays bounded."""
     from pagedserve import LLM
 
-    llm = LLM(dtype="float32", keep_block_tables=True, max_block_table_records=3, max_step_records=6)
+    llm = LLM(dtype="float32", keep_block_tables=True, max_block_table_records=3, max_step_records=6,
+              num_scheduler_steps=1)  # a server's single steps
     llm.generate(["Keep counting: one two"], SamplingParams(temperature=0, max_tokens=9), use_tqdm=False)
     recs = list(llm.engine.step_records)
     assert len(recs) == 6  # max_step_records

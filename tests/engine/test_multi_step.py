@@ -46,9 +46,21 @@ def test_bad_num_scheduler_steps_names_the_field(value):
         EngineConfig(num_scheduler_steps=value)
 
 
-def test_defaults_offline_runs_a_server_single_steps():
-    assert LLM(dtype="float32").engine.num_scheduler_steps == OFFLINE_SCHEDULER_STEPS
+def test_defaults_generate_runs_a_stepped_engine_single_steps():
+    """LLM.generate runs OFFLINE_SCHEDULER_STEPS in a row unless told; an engine that its caller steps (a server)
+    takes one step at a time unless told."""
+    llm = LLM(dtype="float32")
+    assert llm.engine.num_scheduler_steps == 1
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert max(r.num_steps for r in llm.engine.step_records) == OFFLINE_SCHEDULER_STEPS
+    assert llm.engine.num_scheduler_steps == 1  # (restored after the call)
+    llm.engine.add_request("stepped", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    before = len(llm.engine.step_records)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert [r.num_steps for r in list(llm.engine.step_records)[before:]] == [1] * 12
     assert LLMEngine(EngineConfig(dtype="float32")).num_scheduler_steps == 1
+    assert LLMEngine(EngineConfig(dtype="float32", num_scheduler_steps=4)).num_scheduler_steps == 4
 
 
 def test_same_outputs_as_single_steps(pair):

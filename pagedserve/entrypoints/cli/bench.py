@@ -10,7 +10,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -100,7 +100,7 @@ def run_throughput(args, config) -> dict:
     result = {
         "mode": "throughput", "engine": "pagedserve", "model": llm.engine.served_model_name,
         "dtype": str(llm.engine.dtype).removeprefix("torch."), "int8_activations": int8_activations_used(llm.engine),
-        "num_prompts": len(outs),
+        "num_scheduler_steps": llm.engine.num_scheduler_steps, "num_prompts": len(outs),
         "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": elapsed,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p},
         "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
@@ -277,8 +277,11 @@ def run_latency(args, config) -> dict:
     """One request at a time. With --speculative-config and --compare-no-spec, every prompt also runs
     with speculation switched off on the same engine (alternating, so both see the same machine)."""
     from pagedserve.engine.engine import LLMEngine
+    from pagedserve.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
     from pagedserve.sampling_params import SamplingParams
 
+    if config.num_scheduler_steps is None:  # as vLLM's latency benchmark: the offline API's engine
+        config = replace(config, num_scheduler_steps=OFFLINE_SCHEDULER_STEPS)
     engine = LLMEngine(config)
     prompts = _latency_prompts(args, engine, config.seed)
     params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None,
@@ -316,6 +319,7 @@ def run_latency(args, config) -> dict:
     result = {
         "mode": "latency", "engine": "pagedserve", "model": engine.served_model_name,
         "dtype": str(engine.dtype).removeprefix("torch."), "int8_activations": int8_activations_used(engine),
+        "num_scheduler_steps": engine.num_scheduler_steps,
         "input_len": args.input_len, "output_len": args.output_len, "num_iters": len(prompts) - 1,
         "temperature": args.temperature,
         "prompts_file": getattr(args, "prompts_file", None),
