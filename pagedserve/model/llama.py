@@ -275,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
         """Multi-step greedy decoding (the engine's num_scheduler_steps): num_steps decode steps of these
         sequences (one new token each, every row sampling), each step's argmaxes the next one's input tokens.
         int64 [steps, B]: step s's argmax of each row, as forward(greedy=True) and the sampler's greedy path take
-        it one step at a time; fewer steps when one gives -1 (a NaN logit: its row is the last). The K/V of
+        it one step at a time (a -1, a NaN logit, ends the run: see below). The K/V of
         positions[b] + s is written to the slot the block tables give it, so each sequence needs those slots.
         None (and nothing run) where a step would not run on the decode stack: the C++ kernels, one rank, no
         final-logit soft-capping."""
@@ -293,19 +293,21 @@ class LlamaForCausalLM(nn.Module):
         seq_lens = meta.seq_lens.unsqueeze(0) + step
         bs = meta.block_size
         slots = (meta.block_tables.gather(1, (pos // bs).T).T * bs + pos % bs).contiguous()
-        out = torch.empty(num_steps, input_ids.shape[0], dtype=torch.long)
+        # A -1 (NaN logit) fed back: the GGUF embedding and nn.Embedding refuse it (the step fails, and the engine
+        # runs each request alone, one step, to find the one responsible); the fixed-order embedding would wrap it.
+        check = self.embed_fixed is not None
+        out = []
         ids = input_ids
         for s in range(num_steps):
             x = self._stack_forward(stack, self._input_embeddings(ids), pos[s], slots[s], meta.block_tables,
                                     seq_lens[s], True)
-            got = head.argmax(x)
-            if got is None:  # logits, then the argmax the sampler's plain greedy path takes
-                got = self.kernels.argmax_rows(head(x, weight, None).float())
-            out[s] = got
-            if s + 1 < num_steps and int(got.min()) < 0:
-                return out[: s + 1]
-            ids = got
-        return out
+            ids = head.argmax(x)
+            if ids is None:  # logits, then the argmax the sampler's plain greedy path takes
+                ids = self.kernels.argmax_rows(head(x, weight, None).float())
+            out.append(ids)
+            if check and int(ids.min()) < 0:
+                break
+        return torch.stack(out)
 
     def _input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
