@@ -141,6 +141,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self._awaiting_grammar: dict[str, tuple[list[Request], Future]] = {}
         self._step_mask = None  # the structured-output mask of the step running now (for its record)
+        self._step_taken: dict[str, int] = {}  # this step: request id -> the tokens it took (a run's K/V kept)
         # Speculative decoding: proposals (n-gram lookup or a draft model) checked by the target each step.
         self.speculative_config = SpeculativeConfig.from_value(config.speculative_config)
         self.speculator = Speculator.create(self.speculative_config, self) if self.speculative_config else None
@@ -404,6 +405,7 @@ class LLMEngine:
         finished, self._finished_between_steps = self._finished_between_steps, {}
         self._admit_compiled(touched, finished)
         self._step_spec = ({}, {})
+        self._step_taken = {}
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.step_count, self.max_model_len,
                                     self.structured.matchers.__contains__)
@@ -460,6 +462,7 @@ class LLMEngine:
         def on_token(req: Request, i: int, token: int) -> bool:
             parent = self.sample_to_parent[req.request_id]
             touched[parent.request_id] = parent
+            self._step_taken[req.request_id] = i + 1
             self._on_token(parent, req, token, sampled[req.request_id][1][i], now)
             if req.is_finished:
                 self._count_finish(req, finished)
@@ -565,7 +568,9 @@ class LLMEngine:
             num_scheduled_tokens=sched.num_scheduled_tokens,
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens,
-            scheduled={s.request_id: len(s.token_ids) * sched.num_steps for s in sched.scheduled},
+            # (a multi-step run: the tokens each request took, fewer than the run where a stop cut it)
+            scheduled={s.request_id: self._step_taken.get(s.request_id, sched.num_steps) if sched.num_steps > 1
+                       else len(s.token_ids) for s in sched.scheduled},
             prefill_requests=[s.request_id for s in sched.scheduled if s.is_prefill],
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

@@ -73,6 +73,15 @@ def test_same_outputs_as_single_steps(pair):
     assert runs and max(runs) == 5  # it ran runs (and shorter ones where max_tokens left fewer)
     # the stops cut the runs: some request finished in the middle of one
     assert any(f == "stop" for _, _, f in want) and any(f == "length" for _, _, f in want)
+    # the step records count the tokens whose K/V each request kept (a cut run: the tokens it took), so a finished
+    # request computed all its tokens but the last, as with single steps (no prefix hits: prompts under a block)
+    for llm in (single, multi):
+        first = llm.engine.step_count
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        recs = [r for r in llm.engine.step_records if r.step >= first]
+        for o in outs:
+            computed = sum(r.scheduled.get(o.request_id, 0) for r in recs)
+            assert computed == len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1, o.request_id
 
 
 def test_one_request_alone_and_many_rows(pair):
