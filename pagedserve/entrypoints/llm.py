@@ -32,6 +32,11 @@ class LLM:
         self._num_scheduler_steps = kwargs.get("num_scheduler_steps") or OFFLINE_SCHEDULER_STEPS
         self._ids = itertools.count()
 
+    @property
+    def num_scheduler_steps(self) -> int:
+        """The decode steps generate / chat run in a row (EngineConfig.num_scheduler_steps; unset: 8)."""
+        return self._num_scheduler_steps
+
     def get_tokenizer(self):
         return self.engine.tokenizer.hf
 

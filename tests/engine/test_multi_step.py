@@ -50,7 +50,7 @@ def test_defaults_generate_runs_a_stepped_engine_single_steps():
     """LLM.generate runs OFFLINE_SCHEDULER_STEPS in a row unless told; an engine that its caller steps (a server)
     takes one step at a time unless told."""
     llm = LLM(dtype="float32")
-    assert llm.engine.num_scheduler_steps == 1
+    assert llm.engine.num_scheduler_steps == 1 and llm.num_scheduler_steps == OFFLINE_SCHEDULER_STEPS
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert max(r.num_steps for r in llm.engine.step_records) == OFFLINE_SCHEDULER_STEPS
     assert llm.engine.num_scheduler_steps == 1  # (restored after the call)

@@ -33,6 +33,7 @@ def test_bench_throughput_json(tmp_path):
     assert r["output_tokens_per_s"] == pytest.approx(8 * r["requests_per_s"], rel=1e-6)
     assert r["total_tokens_per_s"] == pytest.approx(24 * r["requests_per_s"], rel=1e-6)
     assert r["computed_prefill_tokens"] == 8 * 16 and r["machine"]["cores"] >= 1
+    assert r["num_scheduler_steps"] == 8  # the offline API's runs of decode steps
     # Against this machine's GEMM roofline: the run's FLOPs at the measured rate over its time.
     roof = r["roofline"]
     assert roof["bound"] == "float32 GEMM" and roof["share"] == pytest.approx(
@@ -57,7 +58,7 @@ def test_bench_latency_json(tmp_path):
                "--dtype", "float32", "--quiet", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    assert r["mode"] == "latency" and r["num_iters"] == 2
+    assert r["mode"] == "latency" and r["num_iters"] == 2 and r["num_scheduler_steps"] == 8
     assert 0 < r["ttft_s_mean"] < r["e2e_s_mean"] and r["tpot_s_mean"] > 0
     assert r["decode_tokens_per_s"] == pytest.approx(1 / r["tpot_s_mean"])
     roof = r["roofline"]  # single-stream decode: bound by the bytes a step reads

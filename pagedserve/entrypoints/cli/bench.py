@@ -100,7 +100,7 @@ def run_throughput(args, config) -> dict:
     result = {
         "mode": "throughput", "engine": "pagedserve", "model": llm.engine.served_model_name,
         "dtype": str(llm.engine.dtype).removeprefix("torch."), "int8_activations": int8_activations_used(llm.engine),
-        "num_scheduler_steps": llm.engine.num_scheduler_steps, "num_prompts": len(outs),
+        "num_scheduler_steps": llm.num_scheduler_steps, "num_prompts": len(outs),
         "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": elapsed,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p},
         "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": output_tokens / elapsed,
