@@ -293,6 +293,14 @@ class LlamaForCausalLM(nn.Module):
         seq_lens = meta.seq_lens.unsqueeze(0) + step
         bs = meta.block_size
         slots = (meta.block_tables.gather(1, (pos // bs).T).T * bs + pos % bs).contiguous()
+        part, embed = head.bf16_argmax_part(input_ids.shape[0]), self.embed_quant
+        if part is not None and embed is not None and self.embed_fixed is None:
+            # GGUF embedding and head: the whole run in one C++ call (the same calls as the loop below)
+            local = self.rotary_local
+            return stack.greedy_steps(input_ids, embed.packed, embed.type_id, self.dtype, cfg.embed_scale,
+                                      part.packed, part.type_id, part.n, self.rotary.cos, self.rotary.sin, slots,
+                                      meta.block_tables, seq_lens.contiguous(), None if local is None else local.cos,
+                                      None if local is None else local.sin, pos.contiguous(), self.norm.weight)
         # A -1 (NaN logit) fed back: the GGUF embedding and nn.Embedding refuse it (the step fails, and the engine
         # runs each request alone, one step, to find the one responsible); the fixed-order embedding would wrap it.
         check = self.embed_fixed is not None

@@ -281,7 +281,10 @@ class MatmulRoutes:
 
     def route_for(self, x: torch.Tensor) -> Route:
         """The route x's row count takes (few_rows for 1 to GEMV_MAX_ROWS rows, else many_rows)."""
-        return self.few_rows if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.many_rows
+        return self.route_for_rows(x.shape[0])
+
+    def route_for_rows(self, rows: int) -> Route:
+        return self.few_rows if 0 < rows <= GEMV_MAX_ROWS else self.many_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         route = self.route_for(x)
@@ -334,10 +337,18 @@ class MatmulRoutes:
             if x.stride(-1) != 1:
                 x = x.contiguous()
             return self.kernels.quant_linear_argmax(x, p.packed, p.type_id, p.n, self.screen_norms)
-        if route != Route.QUANT_BF16 or not self.float32_out or len(self.quant) != 1 or not self.kernels.greedy_head:
+        p = self.bf16_argmax_part(x.shape[0])
+        if p is None:
             return None
-        p = self.quant[0]
         return self.kernels.quant_linear_bf16_argmax(x.to(torch.bfloat16), p.packed, p.type_id, p.n, bias)
+
+    def bf16_argmax_part(self, rows: int):
+        """The GGUF blocks whose fused bf16 argmax (CpuKernels.quant_linear_bf16_argmax) argmax() runs for this many
+        rows: the QUANT_BF16 route, a single block type, float32 logits, the build's greedy head; else None."""
+        if (self.route_for_rows(rows) != Route.QUANT_BF16 or not self.float32_out or len(self.quant) != 1
+                or not self.kernels.greedy_head):
+            return None
+        return self.quant[0]
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate; up] matmul (no bias) in one kernel call, the same bits as the matmul then
