@@ -253,12 +253,12 @@ class LlamaForCausalLM(nn.Module):
                 x = self.norm(x)
             else:
                 x = kernels.rms_norm(x, self.norm.weight, self.norm.eps, cfg.spec.gemma_norms)
-        head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
+        head = self._head_routes
         if greedy and self.tp is None and cfg.final_logit_softcapping is None:
             ids = head.argmax(x)
             if ids is not None:
                 return ids
-        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        weight = self._head_weight
         logits = head(x, weight, None)
         if logits.dtype != torch.float32:  # float32 already on the CPU routes
             logits = logits.float()
@@ -285,30 +285,42 @@ class LlamaForCausalLM(nn.Module):
             return None
         meta.sliding_window = None
         stack = self._decode_stack(kv_caches, backend.row_invariant)
-        head = self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
-        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
         # Every step's positions, slots and lengths at once: [steps, B] (row s contiguous).
         step = torch.arange(num_steps).unsqueeze(1)
         pos = positions.unsqueeze(0) + step
         seq_lens = meta.seq_lens.unsqueeze(0) + step
         bs = meta.block_size
         slots = (meta.block_tables.gather(1, (pos // bs).T).T * bs + pos % bs).contiguous()
-        part, embed = head.bf16_argmax_part(input_ids.shape[0]), self.embed_quant
-        if part is not None and embed is not None and self.embed_fixed is None:
-            # GGUF embedding and head: the whole run in one C++ call (the same calls as the loop below)
-            local = self.rotary_local
-            return stack.greedy_steps(input_ids, embed.packed, embed.type_id, self.dtype, cfg.embed_scale,
-                                      part.packed, part.type_id, part.n, self.rotary.cos, self.rotary.sin, slots,
-                                      meta.block_tables, seq_lens.contiguous(), None if local is None else local.cos,
-                                      None if local is None else local.sin, pos.contiguous(), self.norm.weight)
+        head = self._head_routes
+        in_cpp = (head.bf16_argmax_part(input_ids.shape[0]) is not None and self.embed_quant is not None
+                  and self.embed_fixed is None)
+        run = self._steps_in_cpp if in_cpp else self._steps_in_python
+        return run(stack, input_ids, pos, slots, meta.block_tables, seq_lens)
+
+    def _steps_in_cpp(self, stack, input_ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """greedy_steps with a GGUF embedding and a bf16 GGUF head: the whole run in one C++ call
+        (DecodeStack.greedy_steps: the calls of _steps_in_python's loop)."""
+        head = self._head_routes
+        part, embed, local = head.bf16_argmax_part(input_ids.shape[0]), self.embed_quant, self.rotary_local
+        return stack.greedy_steps(input_ids, embed.packed, embed.type_id, self.dtype, self.config.embed_scale,
+                                  part.packed, part.type_id, part.n, self.rotary.cos, self.rotary.sin, slots,
+                                  block_tables, seq_lens, None if local is None else local.cos,
+                                  None if local is None else local.sin, pos, self.norm.weight)
+
+    def _steps_in_python(self, stack, input_ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """greedy_steps as a Python loop over one step's calls (any embedding and head)."""
+        head = self._head_routes
+        weight = self._head_weight
         # A -1 (NaN logit) fed back: the GGUF embedding and nn.Embedding refuse it (the step fails, and the engine
         # runs each request alone, one step, to find the one responsible); the fixed-order embedding would wrap it.
         check = self.embed_fixed is not None
         out = []
         ids = input_ids
-        for s in range(num_steps):
-            x = self._stack_forward(stack, self._input_embeddings(ids), pos[s], slots[s], meta.block_tables,
-                                    seq_lens[s], True)
+        for s in range(pos.shape[0]):
+            x = self._stack_forward(stack, self._input_embeddings(ids), pos[s], slots[s], block_tables, seq_lens[s],
+                                    True)
             ids = head.argmax(x)
             if ids is None:  # logits, then the argmax the sampler's plain greedy path takes
                 ids = self.kernels.argmax_rows(head(x, weight, None).float())
@@ -316,6 +328,15 @@ class LlamaForCausalLM(nn.Module):
             if check and int(ids.min()) < 0:
                 break
         return torch.stack(out)
+
+    @property
+    def _head_routes(self) -> MatmulRoutes:
+        """The LM head's matmul routes: its own Linear's, or the tied head's (the embedding's weight)."""
+        return self.lm_head.routes if self.lm_head is not None else self.tied_head_routes
+
+    @property
+    def _head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     def _input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)

@@ -6,10 +6,10 @@ bookkeeping as single steps do."""
 from __future__ import annotations
 
 import pytest
+from sched_helpers import run_checking_blocks
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.core.kv_math import blocks_for_tokens
 from pagedserve.engine.engine import LLMEngine
 from pagedserve.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
 
@@ -129,19 +129,7 @@ def test_blocks_short_for_the_lookahead_fall_back_and_nothing_leaks():
     want = _run(LLM(dtype="float32", num_kv_blocks=14, num_scheduler_steps=1, max_num_batched_tokens=64),
                 prompts, params)
     llm = LLM(dtype="float32", num_kv_blocks=14, num_scheduler_steps=8, max_num_batched_tokens=64)
-    eng = llm.engine
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        eng.add_request(f"r{i}", p, sp)
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-        for req in eng.scheduler.running:
-            assert len(eng.kv_manager.block_table(req.request_id)) == blocks_for_tokens(
-                req.num_computed_tokens, eng.config.block_size)
-    assert eng.kv_manager.pool.num_used_blocks == 0
-    assert all(b.ref_count == 0 for b in eng.kv_manager.pool.blocks)
+    outs = run_checking_blocks(llm.engine, prompts, params)
     got = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
            for o in (outs[f"r{i}"] for i in range(len(prompts)))]
     assert got == want

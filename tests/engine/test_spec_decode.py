@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
+from sched_helpers import run_checking_blocks
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.core.kv_math import blocks_for_tokens
 from pagedserve.kernels import CpuKernels
 from pagedserve.sampling.metadata import SamplingMetadata
 from pagedserve.sampling.rejection_sampler import verify
@@ -266,20 +266,7 @@ def test_rollback_leaves_no_leaked_blocks_under_preemption():
     for spec in (NGRAM, SELF_DRAFT):
         llm = LLM(dtype="float32", speculative_config=spec, num_kv_blocks=12, max_num_batched_tokens=64)
         eng = llm.engine
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            eng.add_request(f"r{i}", p, sp)
-        outs = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    outs[o.request_id] = o
-            for req in eng.scheduler.running:
-                assert len(eng.kv_manager.block_table(req.request_id)) == blocks_for_tokens(
-                    req.num_computed_tokens, eng.config.block_size)
-            held = sum(len(eng.kv_manager.block_table(r.request_id)) for r in eng.scheduler.running)
-            assert eng.kv_manager.pool.num_used_blocks <= held  # shared prefix blocks count once
-        assert eng.kv_manager.pool.num_used_blocks == 0
-        assert all(b.ref_count == 0 for b in eng.kv_manager.pool.blocks)
+        outs = run_checking_blocks(eng, prompts, params)
         assert eng.stats().num_preemptions > 0
         assert eng.stats().spec_decode.num_draft_tokens > 0
         for i, sp in enumerate(params):
