@@ -3,12 +3,15 @@ perf_counter_ns around a handful of calls, no profiler), then per kind of step (
 mean time of the step, of the model's forward, of its C++ decode stack and LM head, and of the Python around them.
 
     python benchmarks/step_times.py [--workload W1|W2|W3] [--int8-activations] [--dtype auto] [--model M] [--reps 1]
-                                    [--input-len N] [--output-len N]
+                                    [--input-len N] [--output-len N] [--num-scheduler-steps 1]
 
 (An AVX2-only CPU emulated: PAGEDSERVE_CPU_ARCH=x86-64-v3 ... --dtype float32.)
 
 W1: 128 prompts of 128 random token ids, 128 tokens each (one generate); W2: one 32-token prompt, 256 tokens;
 W3: 16 prompts of 1,024, one token each. Greedy, ignore_eos, after a warm-up request, as `pagedserve bench`.
+Decode steps run one at a time by default (--num-scheduler-steps 1), so that each is timed alone; with N > 1 (as
+`LLM.generate` runs them: 8) a "decode step" is a run of up to N steps, and its C++ stack time is the whole run
+(`greedy_steps`: the embedding, the stack and the head of every step).
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=None, help="the workload's prompt length instead (e.g. W2 at a "
                     "long context)")
     ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--num-scheduler-steps", type=int, default=1)
     args = ap.parse_args()
     num, input_len, output_len = {"W1": (128, 128, 128), "W2": (1, 32, 256), "W3": (16, 1024, 1)}[args.workload]
     input_len = args.input_len or input_len
     output_len = args.output_len or output_len
-    llm = LLM(model=args.model, int8_activations=args.int8_activations, dtype=args.dtype)
+    llm = LLM(model=args.model, int8_activations=args.int8_activations, dtype=args.dtype,
+              num_scheduler_steps=args.num_scheduler_steps)
     eng = llm.engine
     cur: dict[str, int] = defaultdict(int)
 
@@ -65,7 +70,8 @@ def main() -> None:
     model = eng.runner.model
     # The C++ DecodeStack's one call per decode step, and the LM head's matmul called from Python after it.
     stack = model._decode_stack(eng.runner.kv_caches, eng.runner.backend.row_invariant)
-    timed_stack = types.SimpleNamespace(forward=timer(stack.forward, "stack"))
+    timed_stack = types.SimpleNamespace(forward=timer(stack.forward, "stack"),
+                                        greedy_steps=timer(stack.greedy_steps, "stack"))
     model._decode_stack = lambda *a, **k: timed_stack
 
     class TimedHead:

@@ -141,6 +141,8 @@ class CpuKernels:
         return self.ext.gelu_tanh_and_mul(gate_up)
 
     def argmax_rows(self, logits):
+        """int64 [R]: each row's first argmax of float32 or bf16 logits [R, V] (contiguous rows), -1 where one is
+        NaN."""
         return self.ext.argmax_rows(logits)
 
     def sample_rows(self, probs, u):

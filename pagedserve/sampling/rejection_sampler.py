@@ -38,10 +38,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, draft
     if sampler.kernels is not None and logits.device.type == "cpu" and meta.all_plain_greedy:
         sampler._apply_token_mask(logits, meta)
         raw, adjusted = logits, logits
-        argmax = in_vocab(sampler.kernels.argmax_rows(logits).tolist(), vocab)
+        argmax = in_vocab(sampler.greedy(logits).tolist(), vocab)
     else:
         raw, adjusted = sampler.adjust(logits, meta)
-        argmax = adjusted.argmax(dim=-1).tolist()
+        argmax = sampler.greedy(adjusted).tolist()
     probs = None if meta.all_greedy else sampler.probs(adjusted, meta)
     tokens: list[list[int]] = []
     rows: list[int] = []  # the logits row each emitted token came from

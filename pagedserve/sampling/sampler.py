@@ -55,18 +55,25 @@ class Sampler:
         if self._kernels_for(logits) and meta.all_plain_greedy:
             # Greedy with nothing to adjust or report: argmax straight on the model's (masked) logits.
             self._apply_token_mask(logits, meta)
-            return SamplerOutput(in_vocab(self.kernels.argmax_rows(logits).tolist(), logits.shape[1]),
-                                 [None] * meta.num_rows)
+            return SamplerOutput(in_vocab(self.greedy(logits).tolist(), logits.shape[1]), [None] * meta.num_rows)
         raw, logits = self.adjust(logits, meta)
         if meta.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = self.greedy(logits)
         elif self._kernels_for(logits):
             tokens = self._sample_cpu(logits, meta)
         else:
             drawn = self._draw(self.probs(logits, meta), meta.generators)
-            tokens = torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
+            tokens = torch.where(meta.greedy, self.greedy(logits), drawn)
         token_list = in_vocab(tokens.tolist(), logits.shape[1])
         return SamplerOutput(token_list, self.logprobs(raw, token_list, meta.num_logprobs))
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: each row's first argmax, -1 where one of its logits is NaN (in_vocab then names the row, and
+        the engine fails only its request; torch.argmax alone would return the NaN's index as a token). The C++
+        kernel on the CPU (float32 or bf16 rows), torch elsewhere."""
+        if self._kernels_for(logits):
+            return self.kernels.argmax_rows(_rows_contiguous(logits))
+        return logits.argmax(dim=-1).masked_fill_(logits.isnan().any(dim=-1), -1)
 
     def from_argmax(self, ids: torch.Tensor, vocab: int) -> SamplerOutput:
         """An all-plain-greedy step whose model handed over each row's argmax (int64 [rows], -1 for a row with a NaN

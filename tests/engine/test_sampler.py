@@ -446,3 +446,26 @@ def test_probs_from_the_kernel_are_the_torch_paths():
     logits[1, 7] = float("nan")
     w = kernels.filtered_weights(logits, torch.tensor([0.0, 1, 1, 1, 1, 1]), meta.top_k, meta.top_p, meta.min_p)
     assert w[0].sum() == 1 and w[0, int(logits[0].argmax())] == 1 and w[1].isnan().all()
+    logits[0, 5] = float("nan")  # a greedy row with a NaN cannot draw either: NaN, not one-hot at an index
+    w = kernels.filtered_weights(logits, torch.tensor([0.0, 1, 1, 1, 1, 1]), meta.top_k, meta.top_p, meta.min_p)
+    assert w[0].isnan().all() and w[2].sum() > 0
+
+
+@pytest.mark.parametrize("with_kernels", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("how", ["plain", "penalized", "mixed"])
+def test_greedy_rows_with_a_nan_logit_are_refused_not_turned_into_tokens(with_kernels, how):
+    """Every greedy path names a row whose logits hold a NaN (in_vocab's error) instead of emitting a token: the plain
+    greedy argmax, greedy after the penalties, greedy rows beside sampled ones; with the C++ kernels and on the torch
+    path (whose argmax alone would return the NaN's index). The same logits without the NaN give torch's argmax."""
+    sampler = EngineSampler(kernels=CpuKernels.build() if with_kernels else None)
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(5))
+    logits[1, 250] = 50.0
+    extra = {"presence_penalty": 0.5} if how == "penalized" else {}
+    reqs = [req("a", outputs=(3, 4), temperature=0.0, **extra), req("b", outputs=(3, 4), temperature=0.0, **extra),
+            req("c", outputs=(3, 4), temperature=1.0 if how == "mixed" else 0.0, **extra)]
+    meta = SamplingMetadata.from_requests(reqs)
+    clean = sampler(logits.clone(), meta).token_ids
+    assert clean[:2] == logits[:2].argmax(-1).tolist() or how == "penalized"
+    logits[1, 100] = float("nan")
+    with pytest.raises(ValueError, match="row 1 gave token id -1"):
+        sampler(logits, meta)

@@ -494,6 +494,26 @@ def test_argmax_rows_is_torch_argmax(kernels, dtype, vocab):
     assert torch.equal(kernels.argmax_rows(wide[:, :vocab]), wide[:, :vocab].argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("vocab", [1, 7, 33, 1000, 49153])
+def test_argmax_rows_gives_minus_one_for_a_row_with_a_nan(kernels, dtype, vocab):
+    """A NaN anywhere in a row (first, in the vector part, in the tail, beside a larger logit) makes its index -1, the
+    row the sampler then refuses; the other rows keep torch.argmax's index. Each build's own path (AVX-512, AVX2's
+    8-lane scan, the scalar loop) sees it: a plain `v > best` scan gave 0 or a finite maximum's index."""
+    g = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(8, vocab, generator=g).to(dtype)
+    logits[3, 0] = 99.0  # a real maximum before the NaN
+    bad = {0: 0, 1: vocab - 1, 2: vocab // 2, 3: min(vocab - 1, 17)}
+    for r, at in bad.items():
+        logits[r, at] = float("nan")
+    if vocab > 1:
+        logits[4, vocab - 1] = float("inf")  # +inf is a logit like any other: its index
+    got = kernels.argmax_rows(logits)
+    ref = logits.argmax(-1)
+    for r in range(8):
+        assert int(got[r]) == (-1 if r in bad else int(ref[r])), (r, vocab)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [64, 576, 100])
 def test_bf16_gemv_equals_linear(kernels, rows, k):

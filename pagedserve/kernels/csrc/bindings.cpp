@@ -35,7 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &pagedserve::rotary_write_kv, "rotary on q/k in place + K/V into the paged cache");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "SwiGLU: silu(gate) * up");
   m.def("gelu_tanh_and_mul", &pagedserve::gelu_tanh_and_mul, "GeGLU: gelu_tanh(gate) * up");
-  m.def("argmax_rows", &pagedserve::argmax_rows, "first argmax of each row (greedy sampling)");
+  m.def("argmax_rows", &pagedserve::argmax_rows,
+        "int64 [R]: each row's first argmax (greedy sampling), -1 where one is NaN");
   m.def("sample_rows", &pagedserve::sample_rows, "one inverse-CDF draw per row of non-negative weights (u: [R] in [0, 1))");
   m.def("sample_logits", &pagedserve::sample_logits, "the sampler's draw per row from logits: temperature (0: argmax), top-k, top-p, min-p, inverse CDF");
   m.def("filtered_weights", &pagedserve::filtered_weights, "the weights sample_logits draws from, [R, V] (largest kept: 1)");

@@ -299,6 +299,12 @@ inline void dispatch_float_bf16(const torch::Tensor& t, const char* what, F&& bo
   }
 }
 
+inline bool nan_bits(float v) {  // -ffast-math lets the compiler assume v == v
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return (b & 0x7fffffffu) > 0x7f800000u;
+}
+
 #if defined(__AVX2__)
 // v as it is, opaque to the optimizer: -ffast-math lets GCC reassociate and contract float arithmetic written with
 // intrinsics, and how it does so depends on the code the function is inlined into. Two kernels that must give the

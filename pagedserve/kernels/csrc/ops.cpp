@@ -324,14 +324,19 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
 namespace pagedserve {
 namespace {
 
-// Index of the first maximum of x[0:V], as torch.argmax (inputs are finite logits).
+// Index of the first maximum of x[0:V] (torch.argmax's over finite logits), or -1 where one is NaN: a row whose logits
+// went non-finite must fail its request (the sampler's in_vocab names it), never become a token. (torch.argmax would
+// return the NaN's index; a plain `v > best` scan never moves past it and gave token 0.) The NaN test is an unordered
+// compare intrinsic or the bits: -ffast-math lets the compiler assume v == v.
 template <typename S>
 int64_t argmax_row(const S* x, int64_t V) {
   int64_t start = 0, arg = 0;
   float best = Elem<S>::load(x[0]);
-#ifdef PAGEDSERVE_AVX512
+  bool nan = false;
+#if defined(PAGEDSERVE_AVX512)
   if (V >= 32) {
     __m512 vbest = load16(x);
+    __mmask16 nans = _mm512_cmp_ps_mask(vbest, vbest, _CMP_UNORD_Q);
     __m512i vidx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __m512i vbidx = vidx;
     const __m512i step = _mm512_set1_epi32(16);
@@ -339,24 +344,59 @@ int64_t argmax_row(const S* x, int64_t V) {
     for (; i + 16 <= V; i += 16) {
       vidx = _mm512_add_epi32(vidx, step);
       const __m512 v = load16(x + i);
+      nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);  // strict: each lane keeps its first max
       vbest = _mm512_mask_mov_ps(vbest, gt, v);
       vbidx = _mm512_mask_mov_epi32(vbidx, gt, vidx);
     }
+    if (nans) return -1;
     best = _mm512_reduce_max_ps(vbest);
     const __mmask16 eq = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
     arg = _mm512_mask_reduce_min_epi32(eq, vbidx);  // ties across lanes: the lowest index
     start = i;
   }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<S, float>) {  // the float32 logits an AVX2-only CPU's route writes
+    if (V >= 16) {
+      __m256 vbest = _mm256_loadu_ps(x);
+      __m256 nans = _mm256_cmp_ps(vbest, vbest, _CMP_UNORD_Q);
+      __m256i vidx = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+      __m256i vbidx = vidx;
+      const __m256i step = _mm256_set1_epi32(8);
+      int64_t i = 8;
+      for (; i + 8 <= V; i += 8) {
+        vidx = _mm256_add_epi32(vidx, step);
+        const __m256 v = _mm256_loadu_ps(x + i);
+        nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m256 gt = _mm256_cmp_ps(v, vbest, _CMP_GT_OQ);
+        vbest = _mm256_blendv_ps(vbest, v, gt);
+        vbidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vbidx), _mm256_castsi256_ps(vidx), gt));
+      }
+      if (_mm256_movemask_ps(nans)) return -1;
+      alignas(32) float lanes[8];
+      alignas(32) int32_t idx[8];
+      _mm256_store_ps(lanes, vbest);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(idx), vbidx);
+      best = lanes[0];
+      arg = idx[0];
+      for (int l = 1; l < 8; ++l)  // ties across lanes: the lowest index
+        if (lanes[l] > best || (lanes[l] == best && idx[l] < arg)) {
+          best = lanes[l];
+          arg = idx[l];
+        }
+      start = i;
+    }
+  }
 #endif
   for (int64_t i = start; i < V; ++i) {
     const float v = Elem<S>::load(x[i]);
+    nan = nan || nan_bits(v);
     if (v > best) {
       best = v;
       arg = i;
     }
   }
-  return arg;
+  return nan ? -1 : arg;
 }
 
 }  // namespace
@@ -748,11 +788,12 @@ torch::Tensor filtered_weights(torch::Tensor logits, torch::Tensor temperature, 
     thread_local SampleScratch scratch;
     for (int64_t r = b; r < e; ++r) {
       float* w = op + r * V;
-      if (a.temperature[r] == 0.f) {
+      const int64_t top = a.temperature[r] == 0.f ? argmax_row<float>(a.row(r), V) : 0;
+      if (a.temperature[r] == 0.f && top >= 0) {
         std::fill(w, w + V, 0.f);
-        w[argmax_row<float>(a.row(r), V)] = 1.f;
-      } else if (!filtered_weights_row(a.row(r), V, a.temperature[r], a.top_k[r], a.top_p[r], a.min_p[r], w,
-                                       scratch)) {
+        w[top] = 1.f;
+      } else if (top < 0 ||
+                 !filtered_weights_row(a.row(r), V, a.temperature[r], a.top_k[r], a.top_p[r], a.min_p[r], w, scratch)) {
         std::fill(w, w + V, std::numeric_limits<float>::quiet_NaN());
       }
     }

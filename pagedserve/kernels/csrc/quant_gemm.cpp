@@ -969,12 +969,6 @@ inline void screen_rows(int64_t R, const int16_t* qx, int64_t xs, const int16_t*
   }
 }
 
-inline bool nan_bits(float v) {  // -ffast-math lets the compiler assume v == v
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  return (b & 0x7fffffffu) > 0x7f800000u;
-}
-
 inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
