@@ -1,6 +1,7 @@
 """Decode attention of a W1-like step (128 sequences, 9 query / 3 kv heads, head_dim 64, bf16 cache) on one or two
 builds of the C++ extension in ONE process, alternating, with 30 layers' caches so that K/V come from memory as in
-the engine (a layer's K and V: 18.9 MB at 192 keys), over consecutive and randomly placed cache blocks.
+the engine (a layer's K and V: 18.9 MB at 192 keys), over consecutive, engine-like (W1's: runs of 8 blocks, then
+blocks B apart) and randomly placed cache blocks.
 
     python benchmarks/decode_attention_ab.py A.so [B.so] [--seqs 128] [--keys 192] [--layers 30] [--reps 7]
         [--heads 9 --kv-heads 3 --head-dim 64] [--no-amx] [--huge-pages] [--dtype bfloat16|float32]
@@ -61,7 +62,13 @@ def main() -> None:
 
         caches = [tuple(huge_pages.zeros(t.shape, t.dtype).copy_(t) for t in kv) for kv in caches]
         del big
+    # "engine": as W1's block tables are in the engine (a fresh pool, blocks handed out in order): each sequence's
+    # prompt blocks (128 keys: 8) one after another, the blocks its decode steps added (all sequences cross a block
+    # boundary in the same step) B apart.
+    pb = min(nb, 8)
+    engine = [[b * pb + j for j in range(pb)] + [B * pb + j * B + b for j in range(nb - pb)] for b in range(B)]
     tables = {"consecutive": torch.arange(B * nb, dtype=torch.int64).view(B, nb).contiguous(),
+              "engine": torch.tensor(engine, dtype=torch.int64),
               "random": torch.randperm(B * nb).view(B, nb).contiguous()}
     seq_lens = torch.full((B,), S, dtype=torch.int64)
     q = torch.randn(B, H, D).to(dt)
