@@ -48,6 +48,9 @@ class CpuKernels:
     # quant_linear_bf16_argmax: greedy decoding's head without its logits (with quant_bf16; an extension built from
     # an older commit, as benchmarks/ab_builds.py may load, lacks it and the head writes logits as before).
     greedy_head: bool = False
+    # quant_screen_i8_norms: the bf16 greedy head's int8 screen above the few rows (AVX512-VNNI + BF16 builds without
+    # AMX; an older extension lacks it and the head runs every exact chain).
+    screened_head: bool = False
     # quant_linear_i8 for 1-4 rows over GGUF blocks: activations quantized to int8 per 32 (llama.cpp's numerics; built
     # with AVX2 -- AVX512-VNNI + VBMI kernels or AVX2 ones, the same bits -- and asked for:
     # EngineConfig.int8_activations), for the ggml types of quant_i8_types (every type read in place:
@@ -79,6 +82,7 @@ class CpuKernels:
             quant_types=frozenset(ext.quant_types()),
             quant_bf16=ext.has_quant_bf16(),
             greedy_head=ext.has_quant_bf16() and hasattr(ext, "quant_linear_bf16_argmax"),
+            screened_head=ext.has_quant_bf16() and hasattr(ext, "quant_screen_i8_norms"),
             quant_i8=int8_activations and ext.has_quant_i8(),
             quant_i8_types=frozenset(ext.quant_i8_types()),
             arena=huge_pages.Arena() if use_huge_pages else None,
@@ -214,10 +218,20 @@ class CpuKernels:
         whatever M (needs `quant_bf16`)."""
         return self.ext.quant_linear_bf16(x, packed, type_id, n, x.shape[-1], bias, out_dtype)
 
-    def quant_linear_bf16_argmax(self, x, packed, type_id: int, n: int, bias):
+    def quant_linear_bf16_argmax(self, x, packed, type_id: int, n: int, bias, screen=None):
         """Greedy decoding over an LM head: int64 [M], each row's first argmax of quant_linear_bf16's float32 logits
-        (-1 where one is NaN), the logits never written where the many-rows kernels run (needs `quant_bf16`)."""
-        return self.ext.quant_linear_bf16_argmax(x, packed, type_id, n, x.shape[-1], bias)
+        (-1 where one is NaN), the logits never written where the many-rows kernels run (needs `quant_bf16`); with
+        screen (quant_screen_i8_norms of this weight), above the few rows and without bias or AMX, an int8 screen
+        rules out the columns that cannot hold a row's maximum first: the same indices."""
+        if screen is None:
+            return self.ext.quant_linear_bf16_argmax(x, packed, type_id, n, x.shape[-1], bias)
+        return self.ext.quant_linear_bf16_argmax(x, packed, type_id, n, x.shape[-1], bias, screen)
+
+    def quant_screen_i8_norms(self, packed, type_id: int, n: int, k: int):
+        """float32: a Q8_0 weight's per-block column sums of |w| (rounded up) and each panel's largest, what
+        quant_linear_bf16_argmax's screen bounds its logits with; an empty tensor where the weight (another type, a
+        non-finite scale) or the build (no AVX512-VNNI + BF16) cannot be screened (needs `screened_head`)."""
+        return self.ext.quant_screen_i8_norms(packed, type_id, n, k)
 
     def quant_screen_norms(self, packed, type_id: int, n: int, k: int):
         """float32 [ceil(n / 16) * 16]: each column's sum of |w| over a Q8_0 weight (rounded up, zeros past n), what

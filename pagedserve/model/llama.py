@@ -306,7 +306,8 @@ class LlamaForCausalLM(nn.Module):
         return stack.greedy_steps(input_ids, embed.packed, embed.type_id, self.dtype, self.config.embed_scale,
                                   part.packed, part.type_id, part.n, self.rotary.cos, self.rotary.sin, slots,
                                   block_tables, seq_lens, None if local is None else local.cos,
-                                  None if local is None else local.sin, pos, self.norm.weight)
+                                  None if local is None else local.sin, pos, self.norm.weight,
+                                  **({} if head.screen_i8 is None else {"head_screen": head.screen_i8}))
 
     def _steps_in_python(self, stack, input_ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

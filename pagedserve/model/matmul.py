@@ -219,6 +219,8 @@ class MatmulRoutes:
         self.float32_out = False
         # A float32 Q8_0 LM head's column norms for the screened greedy head (CpuKernels.quant_screen_norms).
         self.screen_norms: torch.Tensor | None = None
+        # A bf16 Q8_0 LM head's block norms for the int8-screened greedy head (CpuKernels.quant_screen_i8_norms).
+        self.screen_i8: torch.Tensor | None = None
         # Set by the loader for GGUF weights read in place (then the module's weight is a meta tensor).
         self.quant: list[QuantPart] | None = None
 
@@ -229,7 +231,7 @@ class MatmulRoutes:
         float32_out: return float32 whatever the weight's dtype (the LM head). batch_invariant: every
         row count on the fixed-order matmul (needs `kernels`)."""
         self.kernels, self.float32_out = kernels, float32_out
-        self.packed = self.fixed = self.weight_f32 = self.gemv = self.qgemv = self.screen_norms = None
+        self.packed = self.fixed = self.weight_f32 = self.gemv = self.qgemv = self.screen_norms = self.screen_i8 = None
         if self.quant is not None:  # the blocks, at every row count (batch-invariant by construction)
             if kernels is None:
                 raise ValueError("model: quantized weights read in place need the C++ kernels")
@@ -241,6 +243,10 @@ class MatmulRoutes:
                 p = self.quant[0]
                 norms = kernels.quant_screen_norms(p.packed, p.type_id, p.n, weight.shape[1])
                 self.screen_norms = norms if norms.numel() else None  # (a Q8_0 head with finite scales)
+            if float32_out and bf16 and len(self.quant) == 1 and kernels.screened_head:
+                p = self.quant[0]
+                norms = kernels.quant_screen_i8_norms(p.packed, p.type_id, p.n, weight.shape[1])
+                self.screen_i8 = norms if norms.numel() else None
             # Opted in (EngineConfig.int8_activations): a few rows quantize their activations, llama.cpp's way.
             # (Every part's type must be one the build takes: CpuKernels.quant_i8_types.)
             if kernels.quant_i8 and not batch_invariant and all(p.type_id in kernels.quant_i8_types
@@ -327,8 +333,9 @@ class MatmulRoutes:
     def argmax(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """Greedy decoding over this float32-out matmul (an LM head): int64 [rows], each row's first argmax of the
         logits `self(x, ...)` gives (-1 where one is NaN), without writing them; on the QUANT_BF16 route with a single
-        block type (and CpuKernels.greedy_head), and on the QUANT route for more than GEMV_MAX_ROWS rows of a Q8_0 head
-        without bias (the screened head: CpuKernels.quant_linear_argmax); None elsewhere."""
+        block type (and CpuKernels.greedy_head; a Q8_0 head there with the int8 screen of screen_i8 above the few rows,
+        without bias or AMX), and on the QUANT route for more than GEMV_MAX_ROWS rows of a Q8_0 head without bias (the
+        screened head: CpuKernels.quant_linear_argmax); None elsewhere."""
         route = self.route_for(x)
         if route == Route.QUANT and self.screen_norms is not None and bias is None and x.shape[0] > GEMV_MAX_ROWS:
             # (1-4 rows: the GEMV's logits then argmax_rows are faster; bf16 x: quant_linear computes in float32 too)
@@ -340,7 +347,8 @@ class MatmulRoutes:
         p = self.bf16_argmax_part(x.shape[0])
         if p is None:
             return None
-        return self.kernels.quant_linear_bf16_argmax(x.to(torch.bfloat16), p.packed, p.type_id, p.n, bias)
+        return self.kernels.quant_linear_bf16_argmax(x.to(torch.bfloat16), p.packed, p.type_id, p.n, bias,
+                                                     self.screen_i8)
 
     def bf16_argmax_part(self, rows: int):
         """The GGUF blocks whose fused bf16 argmax (CpuKernels.quant_linear_bf16_argmax) argmax() runs for this many

@@ -6,6 +6,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import CpuKernels
+from pagedserve.kernels.cpu_info import cpu_info
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +76,8 @@ def test_greedy_steps_take_the_heads_argmax_and_the_same_tokens(monkeypatch, dty
     kernels = CpuKernels.build()
     if dtype == "bfloat16" and kernels.quant_bf16:  # the bf16 GGUF head (AVX512-BF16)
         assert 2 in fused and 20 in fused
+        # The int8 screen of the Q8_0 head (20 rows) wherever the build has AVX512-VNNI, the same tokens below.
+        assert (runner.model.tied_head_routes.screen_i8 is not None) == ("avx512_vnni" in cpu_info().flags)
     else:
         # The float32 route screens the Q8_0 head wherever the AVX2 + FMA + F16C kernels are built (has_quant_i8 is
         # built under the same condition); elsewhere the logits as before.

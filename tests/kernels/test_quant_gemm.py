@@ -564,6 +564,118 @@ def test_screened_argmax_bad_arguments_raise(kernels):
     assert kernels.quant_linear_argmax(x[:0], packed, qt, 40, norms).shape == (0,)
 
 
+def _needs_i8_screen(kernels) -> None:
+    packed = kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q8_0, 16, 32, seed=1)), int(Q.Q8_0))
+    if kernels.quant_screen_i8_norms(packed, int(Q.Q8_0), 16, 32).numel() == 0:
+        pytest.skip("no int8-screened bf16 head in this build (it needs AVX512-VNNI and AVX512-BF16)")
+
+
+def test_screen_i8_norms_bound_each_columns_blocks(kernels):
+    """quant_screen_i8_norms: per panel of 16 columns and 32-k block, each column's sum of |w| over the block of the
+    dequantized Q8_0 weight, rounded up (never below it; zeros past n), then per 16 panels and block each panel's
+    largest of those; empty for another block type and for a weight with a non-finite scale."""
+    _needs_i8_screen(kernels)
+    n, k = 1007, 320  # 63 panels (a partial last one), 10 blocks
+    raw = random_blocks(Q.Q8_0, n, k, seed=81)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(Q.Q8_0))
+    norms = kernels.quant_screen_i8_norms(packed, int(Q.Q8_0), n, k)
+    panels, nb = 63, 10
+    assert norms.shape == ((panels + 4) * nb * 16,)
+    tight = norms[: panels * nb * 16].view(panels, nb, 16).permute(0, 2, 1).reshape(panels * 16, nb)
+    exact = dequantize(raw, Q.Q8_0).double().abs().view(n, nb, 32).sum(-1)
+    assert bool((tight[:n].double() >= exact).all()) and not bool(tight[n:].any())
+    assert torch.allclose(tight[:n].double(), exact, rtol=1e-6, atol=0)
+    loose = norms[panels * nb * 16 :].view(4, nb, 16).permute(0, 2, 1).reshape(64, nb)[:panels]
+    assert torch.equal(loose, tight.view(panels, 16, nb).amax(1))
+    q41 = kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q4_1, 32, 320, seed=82)), int(Q.Q4_1))
+    assert kernels.quant_screen_i8_norms(q41, int(Q.Q4_1), 32, 320).numel() == 0
+    bad = raw[:32].copy()
+    bad[5, 34 * 3 : 34 * 3 + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # block 3's d of row 5
+    bad_packed = kernels.quant_pack(torch.from_numpy(bad), int(Q.Q8_0))
+    assert kernels.quant_screen_i8_norms(bad_packed, int(Q.Q8_0), 32, 320).numel() == 0
+
+
+@needs_bf16
+@pytest.mark.usefixtures("threads")
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+def test_bf16_screened_argmax_is_the_first_argmax_of_its_logits(kernels, bf16_route):
+    """quant_linear_bf16_argmax with quant_screen_i8_norms (the bf16 route's greedy LM head over Q8_0 above 4 rows,
+    without AMX): each row's index of the first maximum of quant_linear_bf16's float32 logits, though only the panels
+    its int8 screen cannot rule out get their exact chains. The float32 screen's cases (first copy of a repeated
+    maximum in another panel and thread; near ties a quant step apart where x is tiny; all columns equal; outlier
+    channels, tiny and huge rows, rows mostly near 0) with bf16 rows, plus a block of a row below the quantization's
+    range (2^-100: no quants there), 5 to 300 rows on 1 and 2 threads, vocabularies of fewer and more panels than the
+    screen's seed (64) with an odd number of panels and a partial last one. Rows the screen cannot take (zeros, a NaN,
+    an infinity, 1e30, 1e-30) get every exact logit: -1 for a NaN logit."""
+    _needs_i8_screen(kernels)
+    qt = int(Q.Q8_0)
+    half, k = 1000, 320
+    raw = random_blocks(Q.Q8_0, half, k, seed=83)
+    raw = np.concatenate([raw, raw])
+    n = 2 * half  # 125 panels
+    packed = kernels.quant_pack(torch.from_numpy(raw), qt)
+    norms = kernels.quant_screen_i8_norms(packed, qt, n, k)
+    odd = random_blocks(Q.Q8_0, 1007, k, seed=84)
+    odd[1:, :] = odd[:1, :]  # near ties: every row the first, one quant a step away
+    for r in range(1, 1007):
+        b, j = r % 10, 2 + (r * 7) % 32
+        odd[r, b * 34 + j] = np.uint8((int(odd[r, b * 34 + j]) + (1 if r % 2 else 255)) % 256)
+    odd_packed = kernels.quant_pack(torch.from_numpy(odd), qt)
+    odd_norms = kernels.quant_screen_i8_norms(odd_packed, qt, 1007, k)
+    small = kernels.quant_pack(torch.from_numpy(raw[:100]), qt)  # 7 panels: all within the seed
+    small_norms = kernels.quant_screen_i8_norms(small, qt, 100, k)
+    same = kernels.quant_pack(torch.from_numpy(np.repeat(odd[:1], 100, axis=0)), qt)
+    same_norms = kernels.quant_screen_i8_norms(same, qt, 100, k)
+    g = torch.Generator().manual_seed(85)
+    x = torch.randn(300, k, generator=g)
+    x[::3, 17] *= 300.0  # outlier channels
+    x[1::7, 200] *= -2000.0
+    x[2::11] *= 1e-3
+    x[4::13] *= 1e4
+    x[5::17] *= torch.rand(k, generator=g) ** 8  # most of the row near 0
+    x[6::19, 64:96] = 1e-35  # a block below 2^-100
+    x = x.to(torch.bfloat16)
+    for m in (5, 6, 7, 13, 128, 300):
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for w, nn, nm in ((packed, n, norms), (odd_packed, 1007, odd_norms), (small, 100, small_norms)):
+                logits = kernels.quant_linear_bf16(x[:m], w, qt, nn, None, torch.float32)
+                got = kernels.quant_linear_bf16_argmax(x[:m], w, qt, nn, None, nm)
+                assert got.dtype == torch.int64 and torch.equal(got, _first_argmax(logits)), (m, t, nn)
+            assert bool((kernels.quant_linear_bf16_argmax(x[:m], packed, qt, n, None, norms) < half).all())
+            assert not bool(kernels.quant_linear_bf16_argmax(x[:m], same, qt, 100, None, same_norms).any())
+    bad = x[:40].clone()
+    bad[3] = 0.0
+    bad[7, 5] = float("nan")
+    bad[11, 9] = float("inf")
+    bad[19, 0] = 1e30
+    bad[23] = 1e-30  # below the screen's range: every exact logit
+    logits = kernels.quant_linear_bf16(bad, packed, qt, n, None, torch.float32)
+    got = kernels.quant_linear_bf16_argmax(bad, packed, qt, n, None, norms)
+    assert torch.equal(got, _first_argmax(logits))
+    assert int(got[7]) == -1 and int(got[3]) == 0
+
+
+@needs_bf16
+def test_bf16_screened_argmax_bad_screens_raise(kernels):
+    """A screen that is not quant_screen_i8_norms' tensor of this weight is refused, also where the screen would not
+    run (few rows); without a screen (None, or an empty one) the head runs every exact chain."""
+    _needs_i8_screen(kernels)
+    qt = int(Q.Q8_0)
+    packed = kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q8_0, 40, 64, seed=86)), qt)
+    norms = kernels.quant_screen_i8_norms(packed, qt, 40, 64)
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    for bad in (norms[:-16], norms.double(), norms.view(2, -1).t()):
+        with pytest.raises(RuntimeError, match="screen"):
+            kernels.quant_linear_bf16_argmax(x, packed, qt, 40, None, bad)
+    q40 = kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q4_0, 40, 64, seed=87)), int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="screen"):
+        kernels.quant_linear_bf16_argmax(x, q40, int(Q.Q4_0), 40, None, norms)
+    expect = kernels.quant_linear_bf16_argmax(x, packed, qt, 40, None)
+    assert torch.equal(kernels.quant_linear_bf16_argmax(x, packed, qt, 40, None, torch.empty(0)), expect)
+    assert torch.equal(kernels.quant_linear_bf16_argmax(x, packed, qt, 40, None, norms), expect)
+
+
 @needs_bf16
 @pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
 def test_bf16_linear_in_k_blocks_gives_each_rows_own_bits(kernels, threads, bf16_route):

@@ -78,9 +78,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
         "bf16 x @ Wb.T (+ bias), Wb quant_pack's blocks dequantized and rounded to bf16: one vdpbf16ps (or, where AMX is active, one TDPBF16PS) chain per output");
   m.def("quant_linear_bf16_argmax", &pagedserve::quant_linear_bf16_argmax, py::arg("x"), py::arg("packed"),
-        py::arg("type_id"), py::arg("n"), py::arg("k"), py::arg("bias"),
+        py::arg("type_id"), py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("screen") = py::none(),
         "int64 [M]: each row's first argmax of quant_linear_bf16's float32 logits (-1 where one is NaN), the many-rows "
-        "routes never writing the logits (greedy decoding's LM head)");
+        "routes never writing the logits (greedy decoding's LM head); screen: quant_screen_i8_norms of the weight (the "
+        "int8 screen above the few rows, where it applies)");
+  m.def("quant_screen_i8_norms", &pagedserve::quant_screen_i8_norms, py::arg("packed"), py::arg("type_id"),
+        py::arg("n"), py::arg("k"),
+        "float32: a Q8_0 weight's per-block column sums of |w| (and each panel's largest) for quant_linear_bf16_argmax's "
+        "screen; empty where it cannot be screened");
   m.def("quant_screen_norms", &pagedserve::quant_screen_norms, py::arg("packed"), py::arg("type_id"), py::arg("n"),
         py::arg("k"),
         "float32 [ceil(n / 16) * 16]: each column's sum of |w| over a Q8_0 weight, rounded up, for quant_linear_argmax "

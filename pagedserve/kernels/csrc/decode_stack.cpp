@@ -175,7 +175,8 @@ class DecodeStack {
   // Multi-step greedy decoding (LlamaForCausalLM.greedy_steps, the engine's num_scheduler_steps) where the embedding
   // and the head are GGUF blocks read in place: `steps` decode steps of the B sequences of ids, each step's argmaxes
   // the next step's tokens — per step quant_embedding (times embed_scale, a scalar in the embedding's dtype, as the
-  // model multiplies), forward (with final_norm), quant_linear_bf16_argmax over the head's blocks: the calls one
+  // model multiplies), forward (with final_norm), quant_linear_bf16_argmax over the head's blocks (with head_screen,
+  // its quant_screen_i8_norms where the model holds them): the calls one
   // step at a time makes, without a return to Python between them. positions / slot_mapping / seq_lens: [steps, B]
   // int64. Returns int64 [steps, B], fewer steps where a row's argmax is -1 (a NaN logit) before the last.
   torch::Tensor greedy_steps(torch::Tensor ids, std::vector<torch::Tensor> embed_packed, int64_t embed_type,
@@ -183,7 +184,8 @@ class DecodeStack {
                              std::vector<torch::Tensor> head_packed, int64_t head_type, int64_t head_n,
                              torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                              torch::Tensor block_tables, torch::Tensor seq_lens, c10::optional<torch::Tensor> cos_local,
-                             c10::optional<torch::Tensor> sin_local, torch::Tensor positions, torch::Tensor final_norm) {
+                             c10::optional<torch::Tensor> sin_local, torch::Tensor positions, torch::Tensor final_norm,
+                             c10::optional<torch::Tensor> head_screen) {
     const int64_t steps = positions.size(0), B = ids.size(0), K = final_norm.size(0);
     for (const torch::Tensor* t : {&positions, &slot_mapping, &seq_lens})
       TORCH_CHECK(t->dim() == 2 && t->size(0) == steps && t->size(1) == B && t->scalar_type() == torch::kInt64 &&
@@ -198,7 +200,7 @@ class DecodeStack {
       x = forward(x, cos, sin, slot_mapping[s], block_tables, seq_lens[s], cos_local, sin_local, positions[s],
                   final_norm);
       torch::Tensor got = quant_linear_bf16_argmax(x.to(torch::kBFloat16), head_packed, head_type, head_n, K,
-                                                   c10::nullopt);
+                                                   c10::nullopt, head_screen);
       out[s].copy_(got);
       const int64_t* g = got.data_ptr<int64_t>();
       if (s + 1 < steps && std::any_of(g, g + B, [](int64_t t) { return t < 0; })) return out.narrow(0, 0, s + 1);
@@ -499,7 +501,7 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("embed_dtype"), py::arg("embed_scale"), py::arg("head_packed"), py::arg("head_type"),
            py::arg("head_n"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("block_tables"),
            py::arg("seq_lens"), py::arg("cos_local"), py::arg("sin_local"), py::arg("positions"),
-           py::arg("final_norm"), py::call_guard<py::gil_scoped_release>());
+           py::arg("final_norm"), py::arg("head_screen") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("matmul_routes", []() {
     return std::vector<std::pair<std::string, int64_t>>{
         {"linear", kLinear}, {"bf16_gemv", kBf16Gemv}, {"gguf_rows", kGgufRows}, {"gguf_r16", kGgufR16},

@@ -56,7 +56,9 @@ bool set_amx(bool enabled);
 torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                                 c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype);
 torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
-                                       int64_t K, c10::optional<torch::Tensor> bias);
+                                       int64_t K, c10::optional<torch::Tensor> bias,
+                                       c10::optional<torch::Tensor> screen = c10::nullopt);
+torch::Tensor quant_screen_i8_norms(std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K);
 torch::Tensor quant_screen_norms(std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K);
 torch::Tensor quant_linear_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
                                   int64_t K, torch::Tensor norms);

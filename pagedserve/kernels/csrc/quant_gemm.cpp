@@ -2167,6 +2167,343 @@ struct Bf16Route {
   }
 };
 
+// ---- the screened greedy head on the bf16 route (Q8_0 weights, AVX512-VNNI, no AMX): quant_linear_bf16_argmax ----
+//
+// At many rows the bf16 head is bound by its vdpbf16ps (32 multiply-adds per instruction); an int8 screen with VNNI's
+// vpdpbusd (64) bounds every logit, and only the panels whose columns can hold a row's maximum get their exact bf16
+// chains (the float32 route's quant_linear_argmax scheme, above, for the bf16 route's logits):
+//   - x's row (bf16) to int8 per 32-k block b: dx_b = max_b |x| / 127, qx = round(x * (127 / max_b |x|)), so that
+//     |x - dx_b qx| <= 0.5001 dx_b (the two scales' roundings: < 2^-21 dx_b); a block below 2^-100 gets no quants;
+//   - I_b = sum qx_k q_k exact in int32 (vpdpbusd of qx + 128, unsigned, against the signed quants gives I_b + 128 Q_b,
+//     Q_b = sum q), then s = sum_b fl(fl(d_b I_b) dx_b) in float32 (fmsub(I_b + 128 Q_b, d_b, 128 d_b Q_b) rounds d_b
+//     I_b once: 128 d_b Q_b and the conversion are exact);
+//   - y, the logit: ONE vdpbf16ps chain over x and the bf16 weights w~ = bf16(d q), |w~ - w| <= 2^-9 |w|, K roundings
+//     each within 2^-24 of a partial sum (<= sum |x w~|); sum_k |x_k| |w_k| <= 127.0001 sum_b dx_b L1_b, L1_b = sum of
+//     |w| over the block (quant_screen_i8_norms: rounded up). So
+//       |s - y| <= B = c * sum_b e_b L1_b,  c = 1.02 (0.5001 + 127.0001 (2^-9 + 1.01 (K + 2 nb + 4) 2^-24)),
+//     e_b = max(dx_b, 2^-60) (the floor covers the unquantized blocks and the flushes of denormal inputs and sums:
+//     < 2^-116 each; 1.02: B's own roundings); the row's max |x| must lie in [2^-60, 2^64) (else every exact logit,
+//     as for a non-finite x);
+//   - a column whose s + B is below some column's s - B cannot hold the row's maximum (y_max >= that column's y >=
+//     its s - B), and the maximum's columns always reach every such lower bound (their s + B >= y_max). The tile loop
+//     keeps only s; per row and panel Bl >= B (the panel's largest L1_b of each block) rules out most panels with one
+//     add, and only the others get their columns' B (SmolLM2's W1 rows: ~50 of 3,072 panels per row), which raises
+//     the row's lower bound; the panels whose largest s + B reaches the final one (a few per row) get their exact
+//     chains (gemv_bf16_rows: the bits of quant_linear_bf16 at every M), and the first largest of those is the row's
+//     argmax: RowArgmax's index over the same logits.
+// Zen 4, one thread, a /tmp loop of the 6-row x 2-panel tile: 181 G multiply-adds per second against the bf16 tiles'
+// 115; the whole head at W1's 128 rows 17.7 -> 12.1 ms (benchmarks/README.md).
+#if defined(__AVX512VNNI__)
+#define PAGEDSERVE_SCREEN_I8 1
+inline float bf16_bits_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+constexpr int64_t kI8Tile = 6;     // rows per screen tile
+constexpr int64_t kI8Panels = 2;   // panels per screen tile (12 int32 and 12 float accumulators)
+constexpr float kI8Floor = 0x1p-60f;
+constexpr int64_t kI8Seed = 64;    // panels screened first (see screened_argmax_bf16)
+
+// The screen's norms of a Q8_0 weight (quant_screen_i8_norms): float32, L1_b of panel p's 16 columns at
+// (p * nb + b) * 16 (rounded up; zeros past N), then per 16 panels P and block b the largest of each panel's 16 at
+// tight + (P * nb + b) * 16 + p % 16.
+struct I8Norms {
+  const float* tight;
+  const float* loose;
+};
+inline int64_t i8_norms_size(int64_t panels, int64_t nb) { return (panels + (panels + 15) / 16) * nb * 16; }
+
+// A panel's Q8_0 quants as vpdpbusd's signed operands, wq[(b * 8 + j) * 64 + 4 c + i] = q of column c at
+// k = 32 b + 4 j + i, its scales as floats, wd[b * 16 + c] = d, and wd[(nb + b) * 16 + c] = 128 d sum_k q (exact:
+// d's 11 significant bits times a sum of at most 2^12, times 2^7).
+inline void swizzle_q8_vnni(const uint8_t* panel, int64_t nb, uint8_t* wq, float* wd) {
+  const __m512i idx = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11,
+                                      58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53,
+                                      37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32,
+                                      16, 0);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + b * kQ8Block;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb)));
+    __m512i q = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pb + 32 + 64 * j));  // planes 4 j .. 4 j + 3
+      _mm512_store_si512(wq + (b * 8 + j) * 64, v);
+      q = _mm512_dpbusd_epi32(q, ones, v);
+    }
+    _mm512_store_ps(wd + b * 16, d);
+    _mm512_store_ps(wd + (nb + b) * 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_slli_epi32(q, 7))));
+  }
+}
+
+// s[r * 16 P + 16 p + c] = sum_b fl(fl(I_b d_b) dx_b) for R rows (ux = qx + 128, row stride xs, from block 0; dx:
+// row stride nb) against P swizzled panels (wq / wd, panel stride qstride / 2 nb * 16): vpdpbusd gives
+// I'_b = sum (qx + 128) q = I_b + 128 sum q, and fmsub(I'_b, d, 128 d sum q) rounds d I_b once.
+template <int R, int P>
+inline void screen_i8_tile(const uint8_t* ux, int64_t xs, const float* dx, int64_t nb, const uint8_t* wq,
+                           int64_t qstride, const float* wd, float* s) {
+  __m512 sf[R * P];
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) sf[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[R * P];
+    PAGEDSERVE_UNROLL
+    for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_si512();
+    PAGEDSERVE_UNROLL
+    for (int j = 0; j < 8; ++j) {
+      __m512i w[P];
+      PAGEDSERVE_UNROLL
+      for (int p = 0; p < P; ++p) w[p] = _mm512_load_si512(wq + p * qstride + (b * 8 + j) * 64);
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        int32_t q4;
+        std::memcpy(&q4, ux + r * xs + b * 32 + 4 * j, 4);
+        const __m512i a = _mm512_set1_epi32(q4);
+        PAGEDSERVE_UNROLL
+        for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_dpbusd_epi32(acc[r * P + p], a, w[p]);
+      }
+    }
+    PAGEDSERVE_UNROLL
+    for (int p = 0; p < P; ++p) {
+      const __m512 d = _mm512_load_ps(wd + p * 2 * nb * 16 + b * 16);
+      const __m512 cq = _mm512_load_ps(wd + p * 2 * nb * 16 + (nb + b) * 16);
+      PAGEDSERVE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(acc[r * P + p]), d, cq);
+        sf[r * P + p] = _mm512_fmadd_ps(t, _mm512_set1_ps(dx[r * nb + b]), sf[r * P + p]);
+      }
+    }
+  }
+  PAGEDSERVE_UNROLL
+  for (int i = 0; i < R * P; ++i) _mm512_storeu_ps(s + i * 16, sf[i]);
+}
+
+template <int P>
+inline void screen_i8_rows(int64_t R, const uint8_t* ux, int64_t xs, const float* dx, int64_t nb, const uint8_t* wq,
+                           int64_t qstride, const float* wd, float* s) {
+  switch (R) {
+    case 1: screen_i8_tile<1, P>(ux, xs, dx, nb, wq, qstride, wd, s); break;
+    case 2: screen_i8_tile<2, P>(ux, xs, dx, nb, wq, qstride, wd, s); break;
+    case 3: screen_i8_tile<3, P>(ux, xs, dx, nb, wq, qstride, wd, s); break;
+    case 4: screen_i8_tile<4, P>(ux, xs, dx, nb, wq, qstride, wd, s); break;
+    case 5: screen_i8_tile<5, P>(ux, xs, dx, nb, wq, qstride, wd, s); break;
+    default: screen_i8_tile<6, P>(ux, xs, dx, nb, wq, qstride, wd, s); break;
+  }
+}
+
+// int64 [M]: each row's first argmax of quant_linear_bf16's float32 logits over a Q8_0 weight (no bias) for bf16 x
+// (uint16 bits, row stride xs), -1 where one is NaN (only a row that takes every exact logit can have one).
+void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Norms norms, int64_t M, int64_t N,
+                          int64_t K, int64_t* out) {
+  const int64_t nb = K / 32, panels = (N + 15) / 16, pstride = nb * kQ8Block, qs = K;
+  const int64_t pgroups = (panels + 15) / 16;
+  // The calling thread's buffers, grown and kept (fresh ones cost their page faults at every call: ~0.4 ms at W1's
+  // 128 rows).
+  struct Scratch {
+    std::vector<uint8_t> q, full;
+    std::vector<float> dx, e, loose, upper;
+    std::vector<int32_t> pairs;
+  };
+  static thread_local Scratch sc;
+  sc.q.resize(M * qs);
+  sc.dx.resize(M * nb);
+  sc.e.resize(M * nb);
+  sc.loose.resize(M * pgroups * 16);
+  sc.upper.assign(M * panels, -std::numeric_limits<float>::infinity());
+  sc.full.assign(M, 0);
+  std::vector<uint8_t>& qbuf = sc.q;
+  std::vector<float>&dxv = sc.dx, &ev = sc.e, &loose = sc.loose, &upper = sc.upper;
+  std::vector<uint8_t>& full = sc.full;
+  const float c = 1.02f * (0.5001f + 127.0001f * (0x1p-9f + 1.01f * static_cast<float>(K + 2 * nb + 4) * 0x1p-24f));
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    const __m512i mag = _mm512_set1_epi32(0x7fff);
+    for (int64_t m = m0; m < m1; ++m) {
+      const uint16_t* xr = x + m * xs;
+      uint8_t* q = qbuf.data() + m * qs;
+      uint32_t top = 0;  // max |x| as float bits (a NaN or infinity above every finite value)
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32)));
+        const __m512i hi =
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32 + 16)));
+        const uint32_t bt =
+            _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(lo, mag), _mm512_and_si512(hi, mag))) << 16;
+        top = std::max(top, bt);
+        float amax;
+        std::memcpy(&amax, &bt, 4);
+        float dx = 0.f;
+        __m512i q0 = _mm512_setzero_si512(), q1 = q0;
+        if (bt < kScreenMaxBits && amax >= 0x1p-100f) {  // (else: no screen for this row, or a block of zeros)
+          const __m512 inv = _mm512_set1_ps(127.f / amax);
+          dx = amax / 127.f;
+          // qx = round(x * inv) (nearest-even), within +-127
+          const auto quant = [&](__m512i v) {
+            const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), inv));
+            return _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+          };
+          q0 = quant(lo);
+          q1 = quant(hi);
+        }
+        const __m512i off = _mm512_set1_epi32(128);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtepi32_epi8(_mm512_add_epi32(q0, off)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, off)));
+        dxv[m * nb + b] = dx;
+        ev[m * nb + b] = std::max(dx, kI8Floor);
+      }
+      if (top < kScreenMinBits || top >= kScreenMaxBits) {
+        full[m] = 1;
+        continue;
+      }
+      // Bl per panel, 16 panels at a time: c * sum_b e_b max L1_b, stored panel-major (loose[p * M + m]: the screen
+      // reads a tile's rows of one panel together).
+      const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int32_t>(M)));
+      for (int64_t g = 0; g < pgroups; ++g) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(ev[m * nb + b]), _mm512_loadu_ps(norms.loose + (g * nb + b) * 16), a);
+        _mm512_i32scatter_ps(loose.data() + g * 16 * M + m, at, _mm512_mul_ps(a, _mm512_set1_ps(c)), 4);
+      }
+    }
+  });
+  // The screen: threads claim ranges of panel pairs (claim_for); per thread and row the largest s - B so far (lower),
+  // and per row and panel the largest s + B of the panel's columns (upper) where the panel's s + Bl reached that
+  // lower when it was screened (else -inf: none of its columns can reach the final lower, which only grows). Which
+  // thread screens a panel changes neither: the argmax is exact.
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> lower(threads * M, -std::numeric_limits<float>::infinity());
+  const int64_t qstride = nb * 512, dstride = 2 * nb * 16;
+  // Panels p0 .. p0 + np - 1 (np <= kI8Panels) for every row on thread t (wq / wd: its swizzle buffers).
+  const auto screen = [&](int64_t t, int64_t p0, int64_t np, uint8_t* wq, float* wd) {
+    alignas(64) float s[kI8Tile * kI8Panels * 16];
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t p = 0; p < np; ++p) swizzle_q8_vnni(w + (p0 + p) * pstride, nb, wq + p * qstride, wd + p * dstride);
+    // The next group's bytes into L2 during this one's row tiles (its swizzle otherwise waits for memory: ~10% of
+    // the screen), a share per row tile.
+    const uint8_t* next = w + (p0 + np) * pstride;
+    const int64_t ahead = std::min(kI8Panels, panels - p0 - np) * pstride, tiles = (M + kI8Tile - 1) / kI8Tile;
+    const int64_t share = ((ahead + tiles - 1) / tiles + 63) / 64 * 64;
+    for (int64_t r0 = 0; r0 < M; r0 += kI8Tile) {
+      const int64_t R = std::min(kI8Tile, M - r0), off = r0 / kI8Tile * share;
+      if (off < ahead) prefetch_l2(next + off, std::min(share, ahead - off));
+      const uint8_t* ux = qbuf.data() + r0 * qs;
+      if (np == kI8Panels)
+        screen_i8_rows<kI8Panels>(R, ux, qs, dxv.data() + r0 * nb, nb, wq, qstride, wd, s);
+      else
+        screen_i8_rows<1>(R, ux, qs, dxv.data() + r0 * nb, nb, wq, qstride, wd, s);
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t m = r0 + i, at = t * M + m;
+        if (full[m]) continue;
+        const float* e = ev.data() + m * nb;
+        for (int64_t p = 0; p < np; ++p) {
+          const int64_t n0 = (p0 + p) * 16;
+          const __mmask16 live = _mm512_cmplt_epi32_mask(iota, _mm512_set1_epi32(static_cast<int32_t>(N - n0)));
+          const __m512 sv = _mm512_loadu_ps(s + (i * np + p) * 16);
+          // Bl first (one add per panel); only a panel where some s + Bl reaches the lower bound gets its B.
+          const __m512 ul = _mm512_add_ps(sv, _mm512_set1_ps(loose[(p0 + p) * M + m]));
+          if (!_mm512_mask_cmp_ps_mask(live, ul, _mm512_set1_ps(lower[at]), _CMP_GE_OQ)) continue;
+          const float* l1 = norms.tight + (p0 + p) * nb * 16;
+          __m512 b4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          int64_t b = 0;
+          for (; b + 4 <= nb; b += 4) {
+            PAGEDSERVE_UNROLL
+            for (int h = 0; h < 4; ++h)
+              b4[h] = _mm512_fmadd_ps(_mm512_set1_ps(e[b + h]), _mm512_loadu_ps(l1 + (b + h) * 16), b4[h]);
+          }
+          for (; b < nb; ++b) b4[0] = _mm512_fmadd_ps(_mm512_set1_ps(e[b]), _mm512_loadu_ps(l1 + b * 16), b4[0]);
+          const __m512 bt =
+              _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(b4[0], b4[1]), _mm512_add_ps(b4[2], b4[3])), _mm512_set1_ps(c));
+          lower[at] = std::max(lower[at], _mm512_reduce_max_ps(_mm512_mask_sub_ps(ninf, live, sv, bt)));
+          upper[m * panels + p0 + p] = _mm512_mask_reduce_max_ps(live, _mm512_add_ps(sv, bt));
+        }
+      }
+    }
+  };
+  // First the seed, the first kI8Seed panels (tokenizers number their most frequent tokens first, and a greedy row's
+  // maximum is mostly among them or near their best), then the rest with every thread's lowers at the seed's best:
+  // with each thread's lowers at -inf at the start of its range, a third of all row-panels needed their B (SmolLM2,
+  // W1's rows; a sample of every 16th panel as the seed: a quarter), with the seed 1.6%.
+  const int64_t seed_pairs = std::min(kI8Seed, panels) / kI8Panels, pairs = (panels + kI8Panels - 1) / kI8Panels;
+  const auto run = [&](int64_t g0, int64_t g1) {
+    claim_for(g1 - g0, [&](int64_t a, int64_t b) {
+      std::vector<uint8_t> qv;
+      std::vector<float> dv;
+      uint8_t* wq = align64(qv, kI8Panels * qstride);
+      float* wd = align64(dv, kI8Panels * dstride);
+      for (int64_t g = g0 + a; g < g0 + b; ++g)
+        screen(at::get_thread_num(), g * kI8Panels, std::min(kI8Panels, panels - g * kI8Panels), wq, wd);
+    });
+  };
+  run(0, seed_pairs);
+  for (int64_t m = 0; m < M; ++m) {
+    float seed = lower[m];
+    for (int64_t t = 1; t < threads; ++t) seed = std::max(seed, lower[t * M + m]);
+    for (int64_t t = 0; t < threads; ++t) lower[t * M + m] = seed;
+  }
+  run(seed_pairs, pairs);
+  // The candidates: per row the panels whose upper reaches the row's final lower (every panel for a full row), as
+  // (panel, row) pairs in panel order; their exact chains a panel at a time, up to 4 of its rows together
+  // (gemv_bf16_rows: the chains of quant_linear_bf16 at every M); then per row the first largest in column order.
+  std::vector<float> lo(M, -std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < threads; ++t)
+    for (int64_t m = 0; m < M; ++m) lo[m] = std::max(lo[m], lower[t * M + m]);
+  std::vector<int32_t>& pr = sc.pairs;  // panel * M + row
+  pr.clear();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* u = upper.data() + m * panels;
+    const __m512 lv = _mm512_set1_ps(full[m] ? -std::numeric_limits<float>::infinity() : lo[m]);
+    for (int64_t p0 = 0; p0 < panels; p0 += 16) {
+      const __mmask16 in = _mm512_cmplt_epi32_mask(
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+          _mm512_set1_epi32(static_cast<int32_t>(panels - p0)));
+      uint32_t bits = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, u + p0), lv, _CMP_GE_OQ);
+      if (full[m]) bits = in;
+      for (; bits; bits &= bits - 1) pr.push_back(static_cast<int32_t>((p0 + __builtin_ctz(bits)) * M + m));
+    }
+  }
+  std::sort(pr.begin(), pr.end());
+  const int64_t np = static_cast<int64_t>(pr.size());
+  std::vector<float> logits(np * 16);
+  // Runs of up to 4 pairs of one panel.
+  std::vector<int64_t> runs;
+  for (int64_t i = 0; i < np;) {
+    runs.push_back(i);
+    int64_t j = i + 1;
+    while (j < np && j - i < 4 && pr[j] / M == pr[i] / M) ++j;
+    i = j;
+  }
+  runs.push_back(np);
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) - 1, 4, [&](int64_t r0, int64_t r1) {
+    alignas(64) float acc[4 * 16];
+    std::vector<uint16_t> xb(4 * K);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i0 = runs[r], n = runs[r + 1] - i0, p = pr[i0] / M;
+      for (int64_t i = 0; i < n; ++i) std::memcpy(xb.data() + i * K, x + (pr[i0 + i] % M) * xs, K * 2);
+      gemv_bf16_rows<kQ8_0, 1>(n, xb.data(), K, w + p * pstride, pstride, K, acc);
+      std::memcpy(logits.data() + i0 * 16, acc, n * 16 * 4);
+    }
+  });
+  std::fill(out, out + M, int64_t{0});
+  std::vector<float> best(M, -std::numeric_limits<float>::infinity());
+  std::vector<uint8_t> nan(M, 0);
+  for (int64_t i = 0; i < np; ++i) {  // panels ascending: each row's columns in order
+    const int64_t p = pr[i] / M, m = pr[i] % M;
+    for (int64_t j = 0; j < std::min<int64_t>(16, N - p * 16); ++j) {
+      const float v = logits[i * 16 + j];
+      nan[m] = nan[m] || nan_bits(v);
+      if (v > best[m]) {
+        best[m] = v;
+        out[m] = p * 16 + j;
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    if (nan[m]) out[m] = -1;
+}
+#endif
+
 #endif
 
 // ---- int8 activations (AVX512-VNNI + VBMI, or AVX2: the same bits): quant_linear_i8 -------------------------------
@@ -3117,7 +3454,8 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
 // many-rows kernels run the logits are never written (their epilogue hands them to RowArgmax); a few rows' are
 // computed as they are and reduced the same way.
 torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N,
-                                       int64_t K, c10::optional<torch::Tensor> bias) {
+                                       int64_t K, c10::optional<torch::Tensor> bias,
+                                       c10::optional<torch::Tensor> screen) {
   using namespace quant_detail;
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_linear_bf16_argmax: x must be bfloat16");
   TORCH_CHECK(N > 0, "quant_linear_bf16_argmax: n must be positive");
@@ -3144,9 +3482,23 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
     });
     return am.result();
   }
-  RowArgmax am(M, at::get_num_threads());
   const uint16_t* xp = ptr<uint16_t>(x);
   const uint8_t* wp = p.data_ptr<uint8_t>();
+  if (screen && screen->numel()) {  // quant_screen_i8_norms of this weight: the screened head where it applies
+    const int64_t nb = K / 32, panels = (N + 15) / 16;
+    TORCH_CHECK(type == kQ8_0 && screen->scalar_type() == torch::kFloat32 && screen->is_contiguous() &&
+                    screen->numel() == (panels + (panels + 15) / 16) * nb * 16,
+                "quant_linear_bf16_argmax: screen must be quant_screen_i8_norms' tensor of this weight");
+#ifdef PAGEDSERVE_SCREEN_I8
+    if (!route.amx && !bf.defined()) {
+      torch::Tensor out = torch::empty({M}, torch::kInt64);
+      const float* sp = screen->data_ptr<float>();
+      screened_argmax_bf16(xp, x.stride(0), wp, {sp, sp + panels * nb * 16}, M, N, K, out.data_ptr<int64_t>());
+      return out;
+    }
+#endif
+  }
+  RowArgmax am(M, at::get_num_threads());
   dispatch_type(type, [&]<int64_t T>() { route.rows<T, float>(xp, x.stride(0), wp, bp, nullptr, M, N, K, &am); });
   return am.result();
 #else
@@ -3154,6 +3506,55 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
   (void)bf;
   TORCH_CHECK(false, "quant_linear_bf16_argmax: this build has no AVX512-BF16");
   return torch::Tensor();
+#endif
+}
+
+// The bf16 route's screened greedy head's norms (quant_linear_bf16_argmax's screen): float32, per panel p of 16 columns
+// and 32-k block b the 16 columns' sums of |w| over the block at (p * nb + b) * 16 (rounded up; zeros past N), then
+// per 16 panels P and block b each panel's largest of those at panels * nb * 16 + (P * nb + b) * 16 + p % 16; an empty
+// tensor where this weight cannot be screened (another type, a non-finite scale d, or a build without AVX512-VNNI and
+// AVX512-BF16). Once per weight.
+torch::Tensor quant_screen_i8_norms(std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K) {
+  using namespace quant_detail;
+  const QuantType& t = checked_type(type, "quant_screen_i8_norms");
+  int64_t pk, panels;
+  const torch::Tensor& p = checked_packed(packed, t, "quant_screen_i8_norms", pk, panels);
+  TORCH_CHECK(pk == K && N >= 1 && panels == (N + 15) / 16,
+              "quant_screen_i8_norms: N / K do not match the packed weight");
+#ifdef PAGEDSERVE_SCREEN_I8
+  if (type != kQ8_0) return torch::empty({0}, torch::kFloat32);
+  const int64_t nb = K / 32, groups = (panels + 15) / 16;
+  auto out = torch::zeros({(panels + groups) * nb * 16}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  float* loose = o + panels * nb * 16;
+  const uint8_t* w = p.data_ptr<uint8_t>();
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t pi = g0 * 16; pi < std::min(panels, g1 * 16); ++pi) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* pb = w + (pi * nb + b) * kQ8Block;
+        float top = 0.f;
+        for (int64_t r = 0; r < 16 && pi * 16 + r < N; ++r) {
+          uint16_t h;
+          std::memcpy(&h, pb + 2 * r, 2);
+          if (((h >> 10) & 0x1Fu) == 0x1Fu) finite = false;  // an fp16 infinity or NaN (bits: -ffast-math)
+          int64_t qsum = 0;
+          for (int64_t k = 0; k < 32; ++k) qsum += std::abs(static_cast<int>(static_cast<int8_t>(pb[32 + 16 * k + r])));
+          const double sum = std::fabs(static_cast<double>(half_to_float(pb + 2 * r))) * static_cast<double>(qsum);
+          float f = static_cast<float>(sum);
+          if (static_cast<double>(f) < sum) f = std::nextafter(f, std::numeric_limits<float>::max());
+          o[(pi * nb + b) * 16 + r] = f;
+          top = std::max(top, f);
+        }
+        loose[((pi / 16) * nb + b) * 16 + pi % 16] = top;
+      }
+    }
+  });
+  if (!finite) return torch::empty({0}, torch::kFloat32);
+  return out;
+#else
+  (void)p;
+  return torch::empty({0}, torch::kFloat32);
 #endif
 }
 
