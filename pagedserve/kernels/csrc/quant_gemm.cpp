@@ -2303,7 +2303,7 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
   // 128 rows).
   struct Scratch {
     std::vector<uint8_t> q, full;
-    std::vector<float> dx, e, loose, upper;
+    std::vector<float> dx, e, et, loose, upper;
     std::vector<int32_t> pairs;
   };
   static thread_local Scratch sc;
@@ -2311,10 +2311,12 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
   sc.dx.resize(M * nb);
   sc.e.resize(M * nb);
   sc.loose.resize(M * pgroups * 16);
+  const int64_t Mp = (M + 63) / 64 * 64;  // e transposed: [nb][Mp], zeros past M
+  sc.et.assign(nb * Mp, 0.f);
   sc.upper.assign(M * panels, -std::numeric_limits<float>::infinity());
   sc.full.assign(M, 0);
   std::vector<uint8_t>& qbuf = sc.q;
-  std::vector<float>&dxv = sc.dx, &ev = sc.e, &loose = sc.loose, &upper = sc.upper;
+  std::vector<float>&dxv = sc.dx, &ev = sc.e, &et = sc.et, &loose = sc.loose, &upper = sc.upper;
   std::vector<uint8_t>& full = sc.full;
   const float c = 1.02f * (0.5001f + 127.0001f * (0x1p-9f + 1.01f * static_cast<float>(K + 2 * nb + 4) * 0x1p-24f));
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
@@ -2349,21 +2351,31 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtepi32_epi8(_mm512_add_epi32(q0, off)));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, off)));
         dxv[m * nb + b] = dx;
-        ev[m * nb + b] = std::max(dx, kI8Floor);
+        ev[m * nb + b] = et[b * Mp + m] = std::max(dx, kI8Floor);
       }
-      if (top < kScreenMinBits || top >= kScreenMaxBits) {
-        full[m] = 1;
-        continue;
-      }
-      // Bl per panel, 16 panels at a time: c * sum_b e_b max L1_b, stored panel-major (loose[p * M + m]: the screen
-      // reads a tile's rows of one panel together).
-      const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int32_t>(M)));
-      for (int64_t g = 0; g < pgroups; ++g) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(ev[m * nb + b]), _mm512_loadu_ps(norms.loose + (g * nb + b) * 16), a);
-        _mm512_i32scatter_ps(loose.data() + g * 16 * M + m, at, _mm512_mul_ps(a, _mm512_set1_ps(c)), 4);
+      full[m] = top < kScreenMinBits || top >= kScreenMaxBits;
+    }
+  });
+  // Bl per row and panel, c * sum_b e_b max L1_b, panel-major (loose[p * M + m]: the screen reads a tile's rows of one
+  // panel together), 64 rows at a time from e transposed.
+  at::parallel_for(0, panels, 64, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* l1 = norms.loose + ((p / 16) * nb) * 16 + p % 16;  // block b's at l1[b * 16]
+      for (int64_t m0 = 0; m0 < M; m0 += 64) {
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m512 lb = _mm512_set1_ps(l1[b * 16]);
+          PAGEDSERVE_UNROLL
+          for (int i = 0; i < 4; ++i)
+            a[i] = _mm512_fmadd_ps(lb, _mm512_loadu_ps(et.data() + b * Mp + m0 + 16 * i), a[i]);
+        }
+        PAGEDSERVE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const int64_t left = M - m0 - 16 * i;
+          if (left <= 0) break;
+          const __mmask16 in = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+          _mm512_mask_storeu_ps(loose.data() + p * M + m0 + 16 * i, in, _mm512_mul_ps(a[i], _mm512_set1_ps(c)));
+        }
       }
     }
   });
