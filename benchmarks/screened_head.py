@@ -8,6 +8,10 @@ step: the first steps after random prompts (flat logits: the most candidates) an
 
     python benchmarks/screened_head.py [--model GGUF] [--reps 5]   # default: the bundled model (a Q8_0 head)
 
+With --generate N, instead: N rounds of W1 through `LLM.generate` (multi-step decoding, prefix caching off), one
+with the screen and one without in each (the same engine: the head's screen set aside), and their output tok/s and
+whether their tokens are the same.
+
 Needs an AVX512-BF16 + VNNI build (the screen's condition) and a Q8_0 head read in place.
 """
 
@@ -43,15 +47,39 @@ def head_inputs(llm: LLM, rows: int) -> list[torch.Tensor]:
     return got
 
 
+def generate_ab(llm: LLM, head: MatmulRoutes, rounds: int) -> None:
+    """W1 through LLM.generate with and without the head's screen, alternating."""
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(128, 128, 0)]
+    llm.generate(prompts[:4], params, use_tqdm=False)
+    screen, tokens, ratios = head.screen_i8, {}, []
+    for r in range(rounds):
+        rate = {}
+        for name, sc in (("screened", screen), ("exact", None)):
+            head.screen_i8 = sc
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            rate[name] = 128 * 128 / (time.perf_counter() - t)
+            tokens.setdefault(name, [o.outputs[0].token_ids for o in outs])
+        head.screen_i8 = screen
+        ratios.append(rate["screened"] / rate["exact"])
+        print(f"round {r}: screened {rate['screened']:.1f} tok/s, exact {rate['exact']:.1f} ({ratios[-1]:.3f}x)")
+    print(f"median {statistics.median(ratios):.3f}x; the same tokens: {tokens['screened'] == tokens['exact']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--generate", type=int, default=0, metavar="N")
     args = ap.parse_args()
-    llm = LLM(model=args.model, num_scheduler_steps=1, enable_prefix_caching=False)
+    llm = LLM(model=args.model, num_scheduler_steps=None if args.generate else 1, enable_prefix_caching=False)
     head = llm.engine.runner.model._head_routes
     if head.screen_i8 is None:
         raise SystemExit("no screened head here (it needs an AVX512-BF16 + VNNI build and a Q8_0 head)")
+    if args.generate:
+        generate_ab(llm, head, args.generate)
+        return
     p, k = head.quant[0], head.kernels
     xs = head_inputs(llm, 128)
 

@@ -463,6 +463,42 @@ def _first_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(logits.isnan().any(-1), torch.full_like(out, -1), out)
 
 
+def _near_ties(seed: int) -> np.ndarray:
+    """1007 Q8_0 rows of k = 320: every row the first, one quant a step away (near ties the screens cannot tell
+    apart where x is tiny, the exact chains can)."""
+    odd = random_blocks(Q.Q8_0, 1007, 320, seed=seed)
+    odd[1:, :] = odd[:1, :]
+    for r in range(1, 1007):
+        b, j = r % 10, 2 + (r * 7) % 32
+        odd[r, b * 34 + j] = np.uint8((int(odd[r, b * 34 + j]) + (1 if r % 2 else 255)) % 256)
+    return odd
+
+
+def _screen_rows(seed: int, k: int = 320) -> torch.Tensor:
+    """300 rows for the screened heads: normals with outlier channels (as hidden states have), tiny and huge rows,
+    rows mostly near 0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(300, k, generator=g)
+    x[::3, 17] *= 300.0
+    x[1::7, 200] *= -2000.0
+    x[2::11] *= 1e-3
+    x[4::13] *= 1e4
+    x[5::17] *= torch.rand(k, generator=g) ** 8
+    return x
+
+
+def _rows_out_of_range(x: torch.Tensor) -> torch.Tensor:
+    """x's first 40 rows with rows the screens cannot take: zeros (3), a NaN (7), an infinity (11), 1e30 (19), 1e-30
+    (23, below their range)."""
+    bad = x[:40].clone()
+    bad[3] = 0.0
+    bad[7, 5] = float("nan")
+    bad[11, 9] = float("inf")
+    bad[19, 0] = 1e30
+    bad[23] = 1e-30
+    return bad
+
+
 def _needs_screen(kernels) -> None:
     if kernels.quant_screen_norms(
             kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q8_0, 16, 32, seed=1)), int(Q.Q8_0)), int(Q.Q8_0),
@@ -508,22 +544,12 @@ def test_screened_argmax_is_the_first_argmax_of_quant_linears_logits(kernels):
     n = 2 * half
     packed = kernels.quant_pack(torch.from_numpy(raw), qt)
     norms = kernels.quant_screen_norms(packed, qt, n, k)
-    odd = random_blocks(Q.Q8_0, 1007, k, seed=64)
-    odd[1:, :] = odd[:1, :]  # near ties: every row the first, one quant a step away
-    for r in range(1, 1007):
-        b, j = r % 10, 2 + (r * 7) % 32
-        odd[r, b * 34 + j] = np.uint8((int(odd[r, b * 34 + j]) + (1 if r % 2 else 255)) % 256)
+    odd = _near_ties(64)
     odd_packed = kernels.quant_pack(torch.from_numpy(odd), qt)
     odd_norms = kernels.quant_screen_norms(odd_packed, qt, 1007, k)
     same = kernels.quant_pack(torch.from_numpy(np.repeat(odd[:1], 100, axis=0)), qt)
     same_norms = kernels.quant_screen_norms(same, qt, 100, k)
-    g = torch.Generator().manual_seed(65)
-    x = torch.randn(300, k, generator=g)
-    x[::3, 17] *= 300.0  # outlier channels
-    x[1::7, 200] *= -2000.0
-    x[2::11] *= 1e-3
-    x[4::13] *= 1e4
-    x[5::17] *= torch.rand(k, generator=g) ** 8  # most of the row near 0
+    x = _screen_rows(65)
     for m in (1, 5, 6, 7, 13, 128, 300):
         for t in (1, 2):
             torch.set_num_threads(t)
@@ -535,12 +561,7 @@ def test_screened_argmax_is_the_first_argmax_of_quant_linears_logits(kernels):
             assert torch.equal(kernels.quant_linear_argmax(x[:m], odd_packed, qt, 1007, odd_norms),
                                _first_argmax(logits)), (m, t)
             assert not bool(kernels.quant_linear_argmax(x[:m], same, qt, 100, same_norms).any())  # all ties: 0
-    bad = x[:40].clone()
-    bad[3] = 0.0
-    bad[7, 5] = float("nan")
-    bad[11, 9] = float("inf")
-    bad[19, 0] = 1e30
-    bad[23] = 1e-30  # below the screen's range: every exact logit
+    bad = _rows_out_of_range(x)  # every exact logit
     logits = kernels.quant_linear(bad, packed, qt, n, None, torch.float32)
     got = kernels.quant_linear_argmax(bad, packed, qt, n, norms)
     assert torch.equal(got, _first_argmax(logits))
@@ -615,24 +636,14 @@ def test_bf16_screened_argmax_is_the_first_argmax_of_its_logits(kernels, bf16_ro
     n = 2 * half  # 125 panels
     packed = kernels.quant_pack(torch.from_numpy(raw), qt)
     norms = kernels.quant_screen_i8_norms(packed, qt, n, k)
-    odd = random_blocks(Q.Q8_0, 1007, k, seed=84)
-    odd[1:, :] = odd[:1, :]  # near ties: every row the first, one quant a step away
-    for r in range(1, 1007):
-        b, j = r % 10, 2 + (r * 7) % 32
-        odd[r, b * 34 + j] = np.uint8((int(odd[r, b * 34 + j]) + (1 if r % 2 else 255)) % 256)
+    odd = _near_ties(84)
     odd_packed = kernels.quant_pack(torch.from_numpy(odd), qt)
     odd_norms = kernels.quant_screen_i8_norms(odd_packed, qt, 1007, k)
     small = kernels.quant_pack(torch.from_numpy(raw[:100]), qt)  # 7 panels: all within the seed
     small_norms = kernels.quant_screen_i8_norms(small, qt, 100, k)
     same = kernels.quant_pack(torch.from_numpy(np.repeat(odd[:1], 100, axis=0)), qt)
     same_norms = kernels.quant_screen_i8_norms(same, qt, 100, k)
-    g = torch.Generator().manual_seed(85)
-    x = torch.randn(300, k, generator=g)
-    x[::3, 17] *= 300.0  # outlier channels
-    x[1::7, 200] *= -2000.0
-    x[2::11] *= 1e-3
-    x[4::13] *= 1e4
-    x[5::17] *= torch.rand(k, generator=g) ** 8  # most of the row near 0
+    x = _screen_rows(85)
     x[6::19, 64:96] = 1e-35  # a block below 2^-100
     x = x.to(torch.bfloat16)
     for m in (5, 6, 7, 13, 128, 300):
@@ -644,12 +655,7 @@ def test_bf16_screened_argmax_is_the_first_argmax_of_its_logits(kernels, bf16_ro
                 assert got.dtype == torch.int64 and torch.equal(got, _first_argmax(logits)), (m, t, nn)
             assert bool((kernels.quant_linear_bf16_argmax(x[:m], packed, qt, n, None, norms) < half).all())
             assert not bool(kernels.quant_linear_bf16_argmax(x[:m], same, qt, 100, None, same_norms).any())
-    bad = x[:40].clone()
-    bad[3] = 0.0
-    bad[7, 5] = float("nan")
-    bad[11, 9] = float("inf")
-    bad[19, 0] = 1e30
-    bad[23] = 1e-30  # below the screen's range: every exact logit
+    bad = _rows_out_of_range(x)  # every exact logit
     logits = kernels.quant_linear_bf16(bad, packed, qt, n, None, torch.float32)
     got = kernels.quant_linear_bf16_argmax(bad, packed, qt, n, None, norms)
     assert torch.equal(got, _first_argmax(logits))

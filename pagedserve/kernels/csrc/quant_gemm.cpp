@@ -887,6 +887,24 @@ constexpr int64_t kQ8Block = 16 * quant_type(kQ8_0).block_bytes;  // a packed Q8
 constexpr uint32_t kScreenMaxBits = 0x5f800000;  // 2^64
 constexpr uint32_t kScreenMinBits = 0x21800000;  // 2^-60
 
+// The screens' norms: |d| sum_k |q| of column r (of 16) of a packed Q8_0 block, in double (exact: an fp16 d times an
+// integer below 2^12); false where d is an fp16 infinity or NaN (read from its bits: -ffast-math).
+inline bool q8_block_l1(const uint8_t* pb, int64_t r, double& l1) {
+  uint16_t h;
+  std::memcpy(&h, pb + 2 * r, 2);
+  int64_t qsum = 0;
+  for (int64_t k = 0; k < 32; ++k) qsum += std::abs(static_cast<int>(static_cast<int8_t>(pb[32 + 16 * k + r])));
+  l1 = std::fabs(static_cast<double>(half_to_float(pb + 2 * r))) * static_cast<double>(qsum);
+  return ((h >> 10) & 0x1Fu) != 0x1Fu;
+}
+
+// The float nearest v from above (a norm never below the exact one).
+inline float float_up(double v) {
+  float f = static_cast<float>(v);
+  if (static_cast<double>(f) < v) f = std::nextafter(f, std::numeric_limits<float>::max());
+  return f;
+}
+
 // One Q8_0 panel's quants as int16 pairs for vpmaddwd: wb[(b * 16 + j) * 32 + 2 r + h] = q of row r at k = 32 b + 2 j + h
 // (rows 0-7, then 8-15: one vector each), the two quant planes of a k pair interleaved and sign-extended.
 inline void widen_q8_pairs(const uint8_t* panel, int64_t nb, int16_t* wb) {
@@ -3547,14 +3565,9 @@ torch::Tensor quant_screen_i8_norms(std::vector<torch::Tensor> packed, int64_t t
         const uint8_t* pb = w + (pi * nb + b) * kQ8Block;
         float top = 0.f;
         for (int64_t r = 0; r < 16 && pi * 16 + r < N; ++r) {
-          uint16_t h;
-          std::memcpy(&h, pb + 2 * r, 2);
-          if (((h >> 10) & 0x1Fu) == 0x1Fu) finite = false;  // an fp16 infinity or NaN (bits: -ffast-math)
-          int64_t qsum = 0;
-          for (int64_t k = 0; k < 32; ++k) qsum += std::abs(static_cast<int>(static_cast<int8_t>(pb[32 + 16 * k + r])));
-          const double sum = std::fabs(static_cast<double>(half_to_float(pb + 2 * r))) * static_cast<double>(qsum);
-          float f = static_cast<float>(sum);
-          if (static_cast<double>(f) < sum) f = std::nextafter(f, std::numeric_limits<float>::max());
+          double l1;
+          if (!q8_block_l1(pb, r, l1)) finite = false;
+          const float f = float_up(l1);
           o[(pi * nb + b) * 16 + r] = f;
           top = std::max(top, f);
         }
@@ -3591,18 +3604,11 @@ torch::Tensor quant_screen_norms(std::vector<torch::Tensor> packed, int64_t type
       for (int64_t r = 0; r < 16 && pi * 16 + r < N; ++r) {
         double sum = 0;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* pb = w + (pi * nb + b) * kQ8Block;
-          uint16_t h;
-          std::memcpy(&h, pb + 2 * r, 2);
-          if (((h >> 10) & 0x1Fu) == 0x1Fu) finite = false;  // an fp16 infinity or NaN (bits: -ffast-math)
-          const double d = half_to_float(pb + 2 * r);
-          int64_t qsum = 0;
-          for (int64_t k = 0; k < 32; ++k) qsum += std::abs(static_cast<int>(static_cast<int8_t>(pb[32 + 16 * k + r])));
-          sum += std::fabs(d) * static_cast<double>(qsum);
+          double l1;
+          if (!q8_block_l1(w + (pi * nb + b) * kQ8Block, r, l1)) finite = false;
+          sum += l1;
         }
-        float f = static_cast<float>(sum);
-        if (static_cast<double>(f) < sum) f = std::nextafter(f, std::numeric_limits<float>::max());
-        o[pi * 16 + r] = f;
+        o[pi * 16 + r] = float_up(sum);
       }
     }
   });
