@@ -664,16 +664,17 @@ def test_bf16_screened_argmax_is_the_first_argmax_of_its_logits(kernels, bf16_ro
 
 @needs_bf16
 def test_bf16_screened_argmax_bad_screens_raise(kernels):
-    """A screen that is not quant_screen_i8_norms' tensor of this weight is refused, also where the screen would not
-    run (few rows); without a screen (None, or an empty one) the head runs every exact chain."""
+    """A screen that is not quant_screen_i8_norms' tensor of this weight is refused, also at few rows (where the screen
+    would not run); without a screen (None, or an empty one) the head runs every exact chain."""
     _needs_i8_screen(kernels)
     qt = int(Q.Q8_0)
     packed = kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q8_0, 40, 64, seed=86)), qt)
     norms = kernels.quant_screen_i8_norms(packed, qt, 40, 64)
     x = torch.randn(8, 64).to(torch.bfloat16)
     for bad in (norms[:-16], norms.double(), norms.view(2, -1).t()):
-        with pytest.raises(RuntimeError, match="screen"):
-            kernels.quant_linear_bf16_argmax(x, packed, qt, 40, None, bad)
+        for rows in (x, x[:2]):
+            with pytest.raises(RuntimeError, match="screen"):
+                kernels.quant_linear_bf16_argmax(rows, packed, qt, 40, None, bad)
     q40 = kernels.quant_pack(torch.from_numpy(random_blocks(Q.Q4_0, 40, 64, seed=87)), int(Q.Q4_0))
     with pytest.raises(RuntimeError, match="screen"):
         kernels.quant_linear_bf16_argmax(x, q40, int(Q.Q4_0), 40, None, norms)

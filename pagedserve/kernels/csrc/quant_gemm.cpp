@@ -3491,6 +3491,12 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
   TORCH_CHECK(N > 0, "quant_linear_bf16_argmax: n must be positive");
   const torch::Tensor& p = checked_linear(x, packed, type, N, K, torch::kFloat32, "quant_linear_bf16_argmax");
   const torch::Tensor bf = checked_bias(bias, N, "quant_linear_bf16_argmax");
+  if (screen && screen->numel()) {  // quant_screen_i8_norms of this weight (checked at every row count)
+    const int64_t panels = (N + 15) / 16;
+    TORCH_CHECK(type == quant_detail::kQ8_0 && screen->scalar_type() == torch::kFloat32 && screen->is_contiguous() &&
+                    screen->numel() == (panels + (panels + 15) / 16) * (K / 32) * 16,
+                "quant_linear_bf16_argmax: screen must be quant_screen_i8_norms' tensor of this weight");
+  }
   const int64_t M = x.size(0);
   if (M == 0) return torch::empty({0}, torch::kInt64);
 #ifdef PAGEDSERVE_QUANT_BF16
@@ -3514,12 +3520,9 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
   }
   const uint16_t* xp = ptr<uint16_t>(x);
   const uint8_t* wp = p.data_ptr<uint8_t>();
-  if (screen && screen->numel()) {  // quant_screen_i8_norms of this weight: the screened head where it applies
-    const int64_t nb = K / 32, panels = (N + 15) / 16;
-    TORCH_CHECK(type == kQ8_0 && screen->scalar_type() == torch::kFloat32 && screen->is_contiguous() &&
-                    screen->numel() == (panels + (panels + 15) / 16) * nb * 16,
-                "quant_linear_bf16_argmax: screen must be quant_screen_i8_norms' tensor of this weight");
+  if (screen && screen->numel()) {  // the screened head where it applies
 #ifdef PAGEDSERVE_SCREEN_I8
+    const int64_t nb = K / 32, panels = (N + 15) / 16;
     if (!route.amx && !bf.defined()) {
       torch::Tensor out = torch::empty({M}, torch::kInt64);
       const float* sp = screen->data_ptr<float>();
