@@ -106,6 +106,17 @@ const QuantType& checked_type(int64_t id, const char* what) {
   return kQuantTypes[0];
 }
 
+#ifdef PAGEDSERVE_AVX512
+// The mask of the first n of 16 lanes (all of them for n >= 16).
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1u);
+}
+#endif
+
+// The size of quant_screen_i8_norms' tensor for `panels` panels of nb 32-k blocks: the per-panel block sums, then per
+// 16 panels each block's panel maxima.
+inline int64_t i8_norms_size(int64_t panels, int64_t nb) { return (panels + (panels + 15) / 16) * nb * 16; }
+
 inline int64_t packed_index(const Field& f, int64_t j, int64_t r) {
   return f.planar ? f.packed_off + j * 16 + r : f.packed_off + r * f.len + j;
 }
@@ -1625,7 +1636,7 @@ class RowArgmax {
       __mmask16 nan = 0;
       for (int j = 0; j < np; ++j) {
         const int64_t n0 = (p0 + j) * 16;
-        const __mmask16 live = N - n0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+        const __mmask16 live = first_lanes(N - n0);
         __m512 v = _mm512_maskz_loadu_ps(live, acc + i * as + 16 * j);
         if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + n0));
         const __mmask16 take = _mm512_mask_cmp_ps_mask(live, v, vb, _CMP_GT_OQ);
@@ -2213,12 +2224,6 @@ struct Bf16Route {
 // 115; the whole head at W1's 128 rows 17.7 -> 12.1 ms (benchmarks/README.md).
 #if defined(__AVX512VNNI__)
 #define PAGEDSERVE_SCREEN_I8 1
-inline float bf16_bits_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 constexpr int64_t kI8Tile = 6;     // rows per screen tile
 constexpr int64_t kI8Panels = 2;   // panels per screen tile (12 int32 and 12 float accumulators)
 constexpr float kI8Floor = 0x1p-60f;
@@ -2231,7 +2236,6 @@ struct I8Norms {
   const float* tight;
   const float* loose;
 };
-inline int64_t i8_norms_size(int64_t panels, int64_t nb) { return (panels + (panels + 15) / 16) * nb * 16; }
 
 // A panel's Q8_0 quants as vpdpbusd's signed operands, wq[(b * 8 + j) * 64 + 4 c + i] = q of column c at
 // k = 32 b + 4 j + i, its scales as floats, wd[b * 16 + c] = d, and wd[(nb + b) * 16 + c] = 128 d sum_k q (exact:
@@ -2321,20 +2325,19 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
   // 128 rows).
   struct Scratch {
     std::vector<uint8_t> q, full;
-    std::vector<float> dx, e, et, loose, upper;
+    std::vector<float> dx, et, loose, upper;
     std::vector<int32_t> pairs;
   };
   static thread_local Scratch sc;
   sc.q.resize(M * qs);
   sc.dx.resize(M * nb);
-  sc.e.resize(M * nb);
   sc.loose.resize(M * pgroups * 16);
   const int64_t Mp = (M + 63) / 64 * 64;  // e transposed: [nb][Mp], zeros past M
   sc.et.assign(nb * Mp, 0.f);
   sc.upper.assign(M * panels, -std::numeric_limits<float>::infinity());
   sc.full.assign(M, 0);
   std::vector<uint8_t>& qbuf = sc.q;
-  std::vector<float>&dxv = sc.dx, &ev = sc.e, &et = sc.et, &loose = sc.loose, &upper = sc.upper;
+  std::vector<float>&dxv = sc.dx, &et = sc.et, &loose = sc.loose, &upper = sc.upper;
   std::vector<uint8_t>& full = sc.full;
   const float c = 1.02f * (0.5001f + 127.0001f * (0x1p-9f + 1.01f * static_cast<float>(K + 2 * nb + 4) * 0x1p-24f));
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
@@ -2369,7 +2372,7 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtepi32_epi8(_mm512_add_epi32(q0, off)));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, off)));
         dxv[m * nb + b] = dx;
-        ev[m * nb + b] = et[b * Mp + m] = std::max(dx, kI8Floor);
+        et[b * Mp + m] = std::max(dx, kI8Floor);  // e_b
       }
       full[m] = top < kScreenMinBits || top >= kScreenMaxBits;
     }
@@ -2391,8 +2394,8 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
         for (int i = 0; i < 4; ++i) {
           const int64_t left = M - m0 - 16 * i;
           if (left <= 0) break;
-          const __mmask16 in = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-          _mm512_mask_storeu_ps(loose.data() + p * M + m0 + 16 * i, in, _mm512_mul_ps(a[i], _mm512_set1_ps(c)));
+          _mm512_mask_storeu_ps(loose.data() + p * M + m0 + 16 * i, first_lanes(left),
+                                _mm512_mul_ps(a[i], _mm512_set1_ps(c)));
         }
       }
     }
@@ -2408,7 +2411,6 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
   const auto screen = [&](int64_t t, int64_t p0, int64_t np, uint8_t* wq, float* wd) {
     alignas(64) float s[kI8Tile * kI8Panels * 16];
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t p = 0; p < np; ++p) swizzle_q8_vnni(w + (p0 + p) * pstride, nb, wq + p * qstride, wd + p * dstride);
     // The next group's bytes into L2 during this one's row tiles (its swizzle otherwise waits for memory: ~10% of
     // the screen), a share per row tile.
@@ -2426,10 +2428,10 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
       for (int64_t i = 0; i < R; ++i) {
         const int64_t m = r0 + i, at = t * M + m;
         if (full[m]) continue;
-        const float* e = ev.data() + m * nb;
+        const float* e = et.data() + m;  // e_b at e[b * Mp]
         for (int64_t p = 0; p < np; ++p) {
           const int64_t n0 = (p0 + p) * 16;
-          const __mmask16 live = _mm512_cmplt_epi32_mask(iota, _mm512_set1_epi32(static_cast<int32_t>(N - n0)));
+          const __mmask16 live = first_lanes(N - n0);
           const __m512 sv = _mm512_loadu_ps(s + (i * np + p) * 16);
           // Bl first (one add per panel); only a panel where some s + Bl reaches the lower bound gets its B.
           const __m512 ul = _mm512_add_ps(sv, _mm512_set1_ps(loose[(p0 + p) * M + m]));
@@ -2440,9 +2442,9 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
           for (; b + 4 <= nb; b += 4) {
             PAGEDSERVE_UNROLL
             for (int h = 0; h < 4; ++h)
-              b4[h] = _mm512_fmadd_ps(_mm512_set1_ps(e[b + h]), _mm512_loadu_ps(l1 + (b + h) * 16), b4[h]);
+              b4[h] = _mm512_fmadd_ps(_mm512_set1_ps(e[(b + h) * Mp]), _mm512_loadu_ps(l1 + (b + h) * 16), b4[h]);
           }
-          for (; b < nb; ++b) b4[0] = _mm512_fmadd_ps(_mm512_set1_ps(e[b]), _mm512_loadu_ps(l1 + b * 16), b4[0]);
+          for (; b < nb; ++b) b4[0] = _mm512_fmadd_ps(_mm512_set1_ps(e[b * Mp]), _mm512_loadu_ps(l1 + b * 16), b4[0]);
           const __m512 bt =
               _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(b4[0], b4[1]), _mm512_add_ps(b4[2], b4[3])), _mm512_set1_ps(c));
           lower[at] = std::max(lower[at], _mm512_reduce_max_ps(_mm512_mask_sub_ps(ninf, live, sv, bt)));
@@ -2485,9 +2487,7 @@ void screened_argmax_bf16(const uint16_t* x, int64_t xs, const uint8_t* w, I8Nor
     const float* u = upper.data() + m * panels;
     const __m512 lv = _mm512_set1_ps(full[m] ? -std::numeric_limits<float>::infinity() : lo[m]);
     for (int64_t p0 = 0; p0 < panels; p0 += 16) {
-      const __mmask16 in = _mm512_cmplt_epi32_mask(
-          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-          _mm512_set1_epi32(static_cast<int32_t>(panels - p0)));
+      const __mmask16 in = first_lanes(panels - p0);
       uint32_t bits = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, u + p0), lv, _CMP_GE_OQ);
       if (full[m]) bits = in;
       for (; bits; bits &= bits - 1) pr.push_back(static_cast<int32_t>((p0 + __builtin_ctz(bits)) * M + m));
@@ -3494,7 +3494,7 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
   if (screen && screen->numel()) {  // quant_screen_i8_norms of this weight (checked at every row count)
     const int64_t panels = (N + 15) / 16;
     TORCH_CHECK(type == quant_detail::kQ8_0 && screen->scalar_type() == torch::kFloat32 && screen->is_contiguous() &&
-                    screen->numel() == (panels + (panels + 15) / 16) * (K / 32) * 16,
+                    screen->numel() == quant_detail::i8_norms_size(panels, K / 32),
                 "quant_linear_bf16_argmax: screen must be quant_screen_i8_norms' tensor of this weight");
   }
   const int64_t M = x.size(0);
@@ -3557,7 +3557,7 @@ torch::Tensor quant_screen_i8_norms(std::vector<torch::Tensor> packed, int64_t t
 #ifdef PAGEDSERVE_SCREEN_I8
   if (type != kQ8_0) return torch::empty({0}, torch::kFloat32);
   const int64_t nb = K / 32, groups = (panels + 15) / 16;
-  auto out = torch::zeros({(panels + groups) * nb * 16}, torch::kFloat32);
+  auto out = torch::zeros({i8_norms_size(panels, nb)}, torch::kFloat32);
   float* o = out.data_ptr<float>();
   float* loose = o + panels * nb * 16;
   const uint8_t* w = p.data_ptr<uint8_t>();
