@@ -14,11 +14,12 @@ in bf16: Gemma's once after the weight, the others' before it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, write_kv
 from pagedserve.kernels import CpuKernels
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import (
@@ -61,7 +62,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, ropes, kv_cache, backend: AttentionBackend, meta: AttentionMetadata, kernels=None):
+    def forward(self, x, ropes, kv_cache, backend: AttentionBackend, meta: AttentionMetadata, kernels=None,
+                rows: SampledRows | None = None):
+        """rows: the last layer of a step where not every row samples. Every row's K/V is still written, but only
+        those rows attend (as one-token sequences at their own context) and only their output is returned."""
         qkv = self.qkv_proj(x)
         rope = ropes[self.rope_key]
         if self.q_norm is not None and kernels is not None:
@@ -79,6 +83,8 @@ class Attention(nn.Module):
             kernels.rotary_write_kv(qkv, rope[0], rope[1], kv_cache[0], kv_cache[1], meta.slot_mapping,
                                     self.num_heads, self.num_kv_heads)
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            if rows is not None:
+                return self._rows_out(q, rows, kv_cache, backend, attend)
             out = backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, **attend)
             return self._out(out.view(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -86,7 +92,18 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if rows is not None:
+            write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            return self._rows_out(q, rows, kv_cache, backend, attend)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **attend)
+        return self._out(out.reshape(-1, self.q_size))
+
+    def _rows_out(self, q: torch.Tensor, rows: SampledRows, kv_cache, backend: AttentionBackend,
+                  attend: dict) -> torch.Tensor:
+        """The attention output of the sampled rows only (their K/V, like every row's, already in the cache)."""
+        if rows.meta is None:  # no row samples: nothing after the K/V write is needed
+            return q.new_empty((0, self.o_proj.out_features))
+        out = backend.forward(q[rows.index], None, None, kv_cache[0], kv_cache[1], rows.meta, self.scale, **attend)
         return self._out(out.reshape(-1, self.q_size))
 
     def _out(self, heads: torch.Tensor) -> torch.Tensor:
@@ -129,40 +146,90 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, ropes, kv_cache, backend, meta, kernels=None):
+    def forward(self, x, residual, ropes, kv_cache, backend, meta, kernels=None, rows: SampledRows | None = None):
         """Returns (x, residual): with kernels, the residual add is deferred into the next fused norm
-        (vLLM's scheme, the layer's output is x + residual); without, residual stays None."""
+        (vLLM's scheme, the layer's output is x + residual); without, residual stays None. rows (the last layer
+        of a step where not every row samples): every row's K/V is written, and only those rows come out."""
         if self.sandwich:
-            return self._forward_sandwich(x, residual, ropes, kv_cache, backend, meta, kernels)
+            return self._forward_sandwich(x, residual, ropes, kv_cache, backend, meta, kernels, rows)
+        attn = self.self_attn
         if kernels is None:
-            x = x + self.self_attn(self.input_layernorm(x), ropes, kv_cache, backend, meta)
-            return x + self.mlp(self.post_attention_layernorm(x)), None
+            x = _take(x, rows) + attn(self.input_layernorm(x), ropes, kv_cache, backend, meta, rows=rows)
+            return _after_attention(x, rows, lambda h: h + self.mlp(self.post_attention_layernorm(h))), None
         ln1, ln2, once = self.input_layernorm, self.post_attention_layernorm, self.norm_once
         if residual is None:
             residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps, once)
         else:
             kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps, once)
-        x = self.self_attn(x, ropes, kv_cache, backend, meta, kernels)
-        kernels.fused_add_rms_norm(x, residual, ln2.weight, ln2.eps, once)
-        return self.mlp(x, kernels), residual
+        x, residual = attn(x, ropes, kv_cache, backend, meta, kernels, rows), _take(residual, rows)
 
-    def _forward_sandwich(self, x, residual, ropes, kv_cache, backend, meta, kernels):
+        def mlp(h):
+            kernels.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps, once)
+            return self.mlp(h, kernels)
+        return _after_attention(x, rows, mlp), residual
+
+    def _forward_sandwich(self, x, residual, ropes, kv_cache, backend, meta, kernels, rows):
         """Gemma: x + post_norm(attn(norm(x))), then the same around the MLP."""
         ln1, post_attn = self.input_layernorm, self.post_attention_layernorm
         pre_ffn, post_ffn = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        attn = self.self_attn
         if kernels is None:
-            x = x + post_attn(self.self_attn(ln1(x), ropes, kv_cache, backend, meta))
-            return x + post_ffn(self.mlp(pre_ffn(x))), None
+            x = _take(x, rows) + post_attn(attn(ln1(x), ropes, kv_cache, backend, meta, rows=rows))
+            return _after_attention(x, rows, lambda h: h + post_ffn(self.mlp(pre_ffn(h)))), None
         once = self.norm_once
         if residual is None:
             residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps, once)
         else:
             kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps, once)
-        x = self.self_attn(x, ropes, kv_cache, backend, meta, kernels)
-        x = kernels.rms_norm(x, post_attn.weight, post_attn.eps, once)
-        kernels.fused_add_rms_norm(x, residual, pre_ffn.weight, pre_ffn.eps, once)
-        x = self.mlp(x, kernels)
-        return kernels.rms_norm(x, post_ffn.weight, post_ffn.eps, once), residual
+        x, residual = attn(x, ropes, kv_cache, backend, meta, kernels, rows), _take(residual, rows)
+
+        def mlp(h):
+            h = kernels.rms_norm(h, post_attn.weight, post_attn.eps, once)
+            kernels.fused_add_rms_norm(h, residual, pre_ffn.weight, pre_ffn.eps, once)
+            return kernels.rms_norm(self.mlp(h, kernels), post_ffn.weight, post_ffn.eps, once)
+        return _after_attention(x, rows, mlp), residual
+
+
+def _take(x: torch.Tensor, rows: SampledRows | None) -> torch.Tensor:
+    return x if rows is None else x[rows.index]
+
+
+def _after_attention(x: torch.Tensor, rows: SampledRows | None, rest) -> torch.Tensor:
+    """The rest of a layer after its attention (`rest`), skipped when no row is left (a last layer where no row
+    samples: its output has no rows)."""
+    return x if rows is not None and rows.meta is None else rest(x)
+
+
+@dataclass(slots=True)
+class SampledRows:
+    """The rows of a step whose logits are taken, for its last layer (LlamaForCausalLM.forward): nothing but the
+    model's output reads that layer's other rows, so after writing their K/V it computes these rows only."""
+
+    index: torch.Tensor  # [n] int64: rows of the flat batch (logits_indices), each the last row of its sequence
+    meta: AttentionMetadata | None  # those rows as one-token sequences at their own context; None when n == 0
+
+    @staticmethod
+    def of(meta: AttentionMetadata, index: torch.Tensor) -> SampledRows | None:
+        """None (the last layer computes every row) unless each row is the last of its sequence, as the model
+        runner's logits_indices are."""
+        if index.numel() == 0:
+            return SampledRows(index, None)
+        # Sequence i holds rows query_start_loc[i] .. query_start_loc[i + 1] - 1.
+        ends = meta.query_start_loc[1:]
+        seqs = torch.searchsorted(ends, index, right=True)
+        host = seqs.tolist()
+        if max(host) >= len(meta.query_lens) or not bool((ends[seqs] - 1 == index).all()):
+            return None
+        sub = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[index],
+            block_tables=meta.block_tables[seqs],
+            seq_lens=meta.seq_lens[seqs],
+            query_start_loc=torch.arange(len(host) + 1, dtype=torch.long, device=index.device),
+            query_lens=[1] * len(host),
+            seq_lens_host=[meta.seq_lens_host[i] for i in host],
+            block_size=meta.block_size,
+        )
+        return SampledRows(index, sub)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -241,11 +308,15 @@ class LlamaForCausalLM(nn.Module):
                 ropes["local"] = self.rotary_local.cos_sin(positions)
             backend.prepare(meta)  # once per step, for every layer (the stack needs none of it)
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, ropes, kv_cache, backend, meta, kernels)
+            # The last layer computes past its K/V write only the rows that sample (SampledRows).
+            rows = None if all_rows else SampledRows.of(meta, logits_indices)
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                x, residual = layer(x, residual, ropes, kv_cache, backend, meta, kernels, rows if i == last else None)
             if residual is not None:
                 x = x + residual
             normed = False
+            all_rows = all_rows or rows is not None  # then x holds only the sampled rows
         if not normed:
             if not all_rows:
                 x = x[logits_indices]

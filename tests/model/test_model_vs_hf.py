@@ -74,7 +74,7 @@ class PagedSequences:
         self.lm.model.set_kernels(self.kernels)  # the fixture's model is shared between backends
         with torch.inference_mode():
             return self.lm.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta,
-                                 torch.tensor(rows) if rows is not None else None if all_logits else qsl[1:] - 1)
+                                 torch.tensor(rows, dtype=torch.long) if rows is not None else None if all_logits else qsl[1:] - 1)
 
 
 # Phi-4-mini style: LongRoPE over a partial rotary (a quarter of each 16-dim head here: 4 frequencies).
@@ -248,6 +248,61 @@ def test_chunked_prefill_mixed_with_decode(tiny, backend):
     logits = run.step([a[16:], [7]], all_logits=True)
     ref = torch.cat([_hf_logits(hf, a)[16:], _hf_logits(hf, b + [b_next, 7])[-1:]])
     assert (logits - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("backend", ["batched", "fused", "strict"])
+def test_last_layer_computes_only_the_sampled_rows(tiny, backend, tmp_path):
+    """A step where not every row samples runs its last layer past the K/V write for the sampled rows only
+    (SampledRows): the same K/V in the cache as a step that computes every row, and the same logits for those rows
+    (bit for bit in the strict mode, whose row kernel and fixed-order matmuls do not depend on the other rows).
+    Rows that are not their sequence's last fall back to computing every row; a step where no row samples writes
+    the same K/V and returns no logits."""
+    arch, hf, lm = tiny
+    if backend == "strict" and arch in ("phi3", "gemma2"):
+        pytest.skip("the strict mode has no partial rotary / soft-capping")
+    kernels = CpuKernels.build()
+    if backend == "strict":  # a model of its own: the fixture's is shared
+        hf.save_pretrained(tmp_path)
+        lm = load_model(str(tmp_path), "float32")
+        lm.model.setup_matmuls(kernels, pack=False, batch_hint=8, batch_invariant=True)
+    a, b, c = _prompts((23, 6, 9), seed=16)
+    last_mlp = lm.model.layers[-1].mlp
+    seen: list[int] = []
+    hook = last_mlp.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    try:
+        runs = []
+        for _ in range(4):
+            torch.manual_seed(18)  # the same garbage in the caches' unused slots
+            runs.append(PagedSequences(lm, backend, 3, seed=17, kernels=kernels))
+        # Steps: chunks of a and c (no row of them samples) beside b's whole prompt (rows 10-15), then the rest of
+        # a and c beside b's decode (rows 12, 13 and 18 sample).
+        first = [a[:10], b, c[:4]]
+        outs = [runs[0].step(first, all_logits=True), runs[1].step(first, rows=[15]),
+                runs[2].step(first, rows=[3, 15]), runs[3].step(first, rows=[])]
+        assert seen == [20, 1, 20]  # all rows; only b's last; rows 3 and 15 (3 is not a's last: every row)
+        second = [a[10:], [5], c[4:]]
+        outs2 = [run.step(second, rows=None if i == 0 else [12, 13, 18], all_logits=i == 0)
+                 for i, run in enumerate(runs)]
+    finally:
+        hook.remove()
+    assert seen[3:] == [19, 3, 3, 3]  # no row samples: the MLP is skipped
+    assert outs[3].shape[0] == 0
+    for out, rows in ((outs[1], [15]), (outs[2], [3, 15])):
+        assert out.shape[0] == len(rows)
+        _assert_rows_equal(out, outs[0][rows], backend)
+    for out in outs2[1:]:
+        _assert_rows_equal(out, outs2[0][[12, 13, 18]], backend)
+    for run in runs[1:]:
+        for (k, v), (k0, v0) in zip(run.kv, runs[0].kv, strict=True):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def _assert_rows_equal(got: torch.Tensor, want: torch.Tensor, backend: str) -> None:
+    assert want.abs().max() > 0.5
+    if backend == "strict":
+        assert torch.equal(got, want)
+    else:
+        assert (got - want).abs().max().item() <= 1e-5
 
 
 def test_unknown_architecture_lists_the_supported_ones():
