@@ -128,13 +128,19 @@ def attention_flops(cfg, context: float) -> float:
 
 
 def batch_flops(cfg, num_prompts: int, input_len: int, output_len: int) -> float:
-    """Every FLOP of `num_prompts` requests of input_len + output_len tokens (each prompt's last token and
-    each output token but the last go through the LM head... all output_len sampled rows are counted)."""
-    tokens = input_len + output_len
-    mean_context = (tokens + 1) / 2  # token i attends to i + 1 keys (causal)
-    per_request = (tokens * matmul_flops_per_token(cfg) + output_len * head_flops(cfg)
-                   + tokens * attention_flops(cfg, mean_context))
-    return num_prompts * per_request
+    """The FLOPs `num_prompts` requests of input_len + output_len tokens need: every token fed through the layers
+    (the prompt and each output token but the last) with causal attention, except that the last layer needs no more
+    than its K/V projections of the rows whose logits nobody takes (a prompt's rows but its last: llama.cpp's and
+    pagedserve's SampledRows skip the rest), and the LM head on the output_len rows that are sampled."""
+    fed = input_len + max(output_len - 1, 0)
+    sampled = min(output_len, fed)
+    layers = cfg.num_layers
+    kv_only = 2.0 * cfg.hidden_size * 2 * cfg.num_kv_heads * cfg.head_dim
+    matmuls = fed * matmul_flops_per_token(cfg) - (fed - sampled) * (matmul_flops_per_token(cfg) / layers - kv_only)
+    # Token i attends to i + 1 keys; in the last layer only the sampled rows (positions fed - sampled .. fed - 1).
+    keys = (layers - 1) * fed * (fed + 1) / 2 + sampled * (2 * fed - sampled + 1) / 2
+    per_key = attention_flops(cfg, 1.0) / layers
+    return num_prompts * (matmuls + output_len * head_flops(cfg) + keys * per_key)
 
 
 def decode_read_bytes(model, cfg, context: float, kv_elem_bytes: int) -> float:
