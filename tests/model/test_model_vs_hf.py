@@ -72,9 +72,9 @@ class PagedSequences:
         meta = AttentionMetadata(torch.tensor(slots), tables, torch.tensor(seq_lens), qsl, query_lens,
                                  seq_lens, self.block_size)
         self.lm.model.set_kernels(self.kernels)  # the fixture's model is shared between backends
+        index = torch.tensor(rows, dtype=torch.long) if rows is not None else None if all_logits else qsl[1:] - 1
         with torch.inference_mode():
-            return self.lm.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta,
-                                 torch.tensor(rows, dtype=torch.long) if rows is not None else None if all_logits else qsl[1:] - 1)
+            return self.lm.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta, index)
 
 
 # Phi-4-mini style: LongRoPE over a partial rotary (a quarter of each 16-dim head here: 4 frequencies).
