@@ -155,18 +155,17 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         if kernels is None:
             x = _take(x, rows) + attn(self.input_layernorm(x), ropes, kv_cache, backend, meta, rows=rows)
-            return _after_attention(x, rows, lambda h: h + self.mlp(self.post_attention_layernorm(h))), None
+            return (x if _no_rows(rows) else x + self.mlp(self.post_attention_layernorm(x))), None
         ln1, ln2, once = self.input_layernorm, self.post_attention_layernorm, self.norm_once
         if residual is None:
             residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps, once)
         else:
             kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps, once)
         x, residual = attn(x, ropes, kv_cache, backend, meta, kernels, rows), _take(residual, rows)
-
-        def mlp(h):
-            kernels.fused_add_rms_norm(h, residual, ln2.weight, ln2.eps, once)
-            return self.mlp(h, kernels)
-        return _after_attention(x, rows, mlp), residual
+        if _no_rows(rows):
+            return x, residual
+        kernels.fused_add_rms_norm(x, residual, ln2.weight, ln2.eps, once)
+        return self.mlp(x, kernels), residual
 
     def _forward_sandwich(self, x, residual, ropes, kv_cache, backend, meta, kernels, rows):
         """Gemma: x + post_norm(attn(norm(x))), then the same around the MLP."""
@@ -175,29 +174,28 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         if kernels is None:
             x = _take(x, rows) + post_attn(attn(ln1(x), ropes, kv_cache, backend, meta, rows=rows))
-            return _after_attention(x, rows, lambda h: h + post_ffn(self.mlp(pre_ffn(h)))), None
+            return (x if _no_rows(rows) else x + post_ffn(self.mlp(pre_ffn(x)))), None
         once = self.norm_once
         if residual is None:
             residual, x = x, kernels.rms_norm(x, ln1.weight, ln1.eps, once)
         else:
             kernels.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps, once)
         x, residual = attn(x, ropes, kv_cache, backend, meta, kernels, rows), _take(residual, rows)
-
-        def mlp(h):
-            h = kernels.rms_norm(h, post_attn.weight, post_attn.eps, once)
-            kernels.fused_add_rms_norm(h, residual, pre_ffn.weight, pre_ffn.eps, once)
-            return kernels.rms_norm(self.mlp(h, kernels), post_ffn.weight, post_ffn.eps, once)
-        return _after_attention(x, rows, mlp), residual
+        if _no_rows(rows):
+            return x, residual
+        x = kernels.rms_norm(x, post_attn.weight, post_attn.eps, once)
+        kernels.fused_add_rms_norm(x, residual, pre_ffn.weight, pre_ffn.eps, once)
+        x = self.mlp(x, kernels)
+        return kernels.rms_norm(x, post_ffn.weight, post_ffn.eps, once), residual
 
 
 def _take(x: torch.Tensor, rows: SampledRows | None) -> torch.Tensor:
     return x if rows is None else x[rows.index]
 
 
-def _after_attention(x: torch.Tensor, rows: SampledRows | None, rest) -> torch.Tensor:
-    """The rest of a layer after its attention (`rest`), skipped when no row is left (a last layer where no row
-    samples: its output has no rows)."""
-    return x if rows is not None and rows.meta is None else rest(x)
+def _no_rows(rows: SampledRows | None) -> bool:
+    """A last layer where no row samples: after its K/V write nothing is left (its output has no rows)."""
+    return rows is not None and rows.meta is None
 
 
 @dataclass(slots=True)
