@@ -362,6 +362,37 @@ def test_bf16_widening_in_both_forms_gives_the_same_weights(kernels, threads, bf
 
 
 @needs_bf16
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
+def test_bf16_non_finite_scale_leaves_the_other_rows_weights_exact(kernels, threads, bf16_route, qtype):
+    """A block whose scale d is inf or NaN (a damaged file) makes its sub-blocks take the converting form, and the
+    few-rows GEMV's neighbour panel with them (one form per k step): every other row's weights must still come out
+    as gguf-py's rounded to bf16, also at k 16-31 of each sub-block (the signed types' converting form once took
+    those from Q6_K's second scale, 0 there: a bad row zeroed half of 15-31 other rows' weights), and the damaged
+    rows' outputs are NaN."""
+    n, k = 48, 2 * k_for(qtype)  # 3 panels: a GEMV group of 2 and one of 1
+    raw = random_blocks(qtype, n, k, seed=95)
+    size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    d_at = 208 if qtype == Q.Q6_K else 0  # Q6_K's d is its last field
+    blocks = raw.reshape(n, -1, block_bytes)
+    blocks[5, 1, d_at : d_at + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    blocks[37, 0, d_at : d_at + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    raw = blocks.reshape(n, -1)
+    with np.errstate(invalid="ignore"):
+        w = dequantize(raw, qtype)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    expect = w.to(torch.bfloat16).float().t()
+    good = torch.ones(n, dtype=torch.bool)
+    good[[5, 37]] = False
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    for rows in (1, 4, k):
+        got = torch.cat([kernels.quant_linear_bf16(eye[i : i + rows], packed, int(qtype), n, None, torch.float32)
+                         for i in range(0, k, rows)])
+        assert torch.equal(got[:, good], expect[:, good]), rows
+        assert got[:, ~good].isnan().all(), rows
+
+
+@needs_bf16
 def test_bf16_linear_cuts_rows_for_an_odd_number_of_groups(kernels, threads):
     """With few panel groups that two threads cannot share evenly (3 here: 9 panels, the decode step's o and down
     projections have 9) the vdpbf16ps route cuts the rows into more blocks; every row, in whichever block, gets the

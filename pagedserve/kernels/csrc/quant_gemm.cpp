@@ -1377,8 +1377,8 @@ struct FastPairs {
       f0 = _mm512_fmadd_ps(q0, d0, m0);
       f1 = _mm512_fmadd_ps(q1, d1, m1);
     } else {  // signed: q, q - 8, q - 16, q - 32 (get took the offsets)
-      f0 = _mm512_mul_ps(q0, second ? m0 : d0);
-      f1 = _mm512_mul_ps(q1, second ? m1 : d1);
+      f0 = _mm512_mul_ps(q0, T == kQ6_K && second ? m0 : d0);
+      f1 = _mm512_mul_ps(q1, T == kQ6_K && second ? m1 : d1);
     }
     return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
   }
