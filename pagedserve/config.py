@@ -100,6 +100,10 @@ class EngineConfig:
     amx: bool = _env_knob(
         "amx", "bf16 matmuls over GGUF blocks and the bf16 prefill attention on AMX tiles (CPUs with AMX; the "
         "whole process); off: AVX512-BF16 pair dot products")
+    quant_lanes: bool = _env_knob(
+        "quant_lanes", "bf16 models on AVX512-BF16 + VBMI CPUs: Q4_0 / Q4_1 blocks that every row count multiplies "
+        "in bf16 are regrouped at load (lane-local quants: no byte permute to widen them; the same bits, a faster "
+        "single-stream decode); off: the packing every route reads")
     huge_pages: bool = _env_knob(
         "huge_pages", "on cpu: the KV cache and the C++ kernels' packed weights in memory the OS may back with 2 MB "
         "pages (Linux transparent huge pages, madvise mode: fewer TLB misses where a step streams them)")

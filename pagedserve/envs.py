@@ -27,6 +27,7 @@ class Environment:
     gguf_in_place: bool  # PAGEDSERVE_DEQUANTIZE_GGUF=1 -> False
     decode_stack: bool  # PAGEDSERVE_NO_DECODE_STACK=1 -> False
     amx: bool  # PAGEDSERVE_NO_AMX=1 -> False
+    quant_lanes: bool  # PAGEDSERVE_NO_QUANT_LANES=1 -> False
     huge_pages: bool  # PAGEDSERVE_NO_HUGE_PAGES=1 -> False
     int8_activations: bool  # PAGEDSERVE_INT8_ACTIVATIONS=1 -> True
     keep_dequantized_weights: bool  # PAGEDSERVE_KEEP_DEQUANTIZED=1 -> True
@@ -51,6 +52,7 @@ def read_environment() -> Environment:
         gguf_in_place=not _flag("PAGEDSERVE_DEQUANTIZE_GGUF"),
         decode_stack=not _flag("PAGEDSERVE_NO_DECODE_STACK"),
         amx=not _flag("PAGEDSERVE_NO_AMX"),
+        quant_lanes=not _flag("PAGEDSERVE_NO_QUANT_LANES"),
         huge_pages=not _flag("PAGEDSERVE_NO_HUGE_PAGES"),
         int8_activations=_flag("PAGEDSERVE_INT8_ACTIVATIONS"),
         keep_dequantized_weights=_flag("PAGEDSERVE_KEEP_DEQUANTIZED"),

@@ -57,6 +57,10 @@ class CpuKernels:
     # Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K).
     quant_i8: bool = False
     quant_i8_types: frozenset[int] = frozenset()
+    # The bf16 route's lane-local packing of Q4_0 / Q4_1 (quant_lanes_type, quant_relayout: AVX512-BF16 + VBMI builds;
+    # EngineConfig.quant_lanes): a weight whose every row count runs quant_linear_bf16 is regrouped at load so that
+    # the widening needs no lane-crossing byte permute.
+    quant_lanes: bool = False
     # Where the model keeps its packed weights (`resident`): an arena of memory the OS may back with 2 MB pages
     # (huge_pages.py; EngineConfig.huge_pages), else None (as packed).
     arena: huge_pages.Arena | None = None
@@ -64,7 +68,8 @@ class CpuKernels:
     @classmethod
     def build(cls, arch: str = "native", *, bf16_gemv: bool = True, gguf_gemv: bool = True,
               decode_stack: bool = True, fixed_matmuls: bool | None = None,
-              amx: bool = True, int8_activations: bool = False, use_huge_pages: bool = False) -> CpuKernels | None:
+              amx: bool = True, int8_activations: bool = False, use_huge_pages: bool = False,
+              quant_lanes: bool = True) -> CpuKernels | None:
         ext = load_extension(arch)
         if ext is None:
             return None
@@ -85,6 +90,7 @@ class CpuKernels:
             screened_head=ext.has_quant_bf16() and hasattr(ext, "quant_screen_i8_norms"),
             quant_i8=int8_activations and ext.has_quant_i8(),
             quant_i8_types=frozenset(ext.quant_i8_types()),
+            quant_lanes=quant_lanes and hasattr(ext, "quant_lanes_type"),
             arena=huge_pages.Arena() if use_huge_pages else None,
         )
 
@@ -97,7 +103,7 @@ class CpuKernels:
         kernels = cls.build(config.cpu_arch, bf16_gemv=config.bf16_gemv, gguf_gemv=config.gguf_gemv,
                             decode_stack=config.decode_stack, fixed_matmuls=config.fixed_matmuls,
                             amx=config.amx, int8_activations=config.int8_activations,
-                            use_huge_pages=config.huge_pages)
+                            use_huge_pages=config.huge_pages, quant_lanes=config.quant_lanes)
         if kernels is not None and config.int8_activations and not kernels.quant_i8:
             logger.warning("int8_activations: this CPU (or build) has no AVX2 + FMA + F16C; decode matmuls keep the "
                            "model's activations (bf16 / float32)")
@@ -206,6 +212,24 @@ class CpuKernels:
         quant_embedding read: [uint8 [ceil(N/16), 16 * row_bytes]], the file's bytes regrouped by 16 rows
         (no expansion; the only overhead is the zero rows padding N to a multiple of 16)."""
         return self.ext.quant_pack(raw, type_id)
+
+    def lanes_type(self, type_id: int) -> int | None:
+        """The type id of ggml type type_id's lane-local packing, where this build's bf16 route reads it and
+        `quant_lanes` is on (Q4_0, Q4_1 with AVX512-BF16 and VBMI), else None."""
+        if not self.quant_lanes:
+            return None
+        lanes = self.ext.quant_lanes_type(type_id)
+        return lanes if lanes >= 0 else None
+
+    def ggml_type(self, type_id: int) -> int:
+        """The ggml type of a packing's type id (a lane-local packing's, or a ggml type's own)."""
+        if type_id in self.quant_types or not hasattr(self.ext, "quant_lanes_type"):
+            return type_id
+        return next((t for t in self.quant_types if self.ext.quant_lanes_type(t) == type_id), type_id)
+
+    def relayout(self, packed, from_type: int, to_type: int) -> None:
+        """Regroup quant_pack's blocks in place between a ggml type's packing and its lane-local one."""
+        self.ext.quant_relayout(packed, from_type, to_type)
 
     def quant_linear(self, x, packed, type_id: int, n: int, bias, out_dtype):
         """x [M, K] (float32/bf16) @ W.T (+ bias), W the [n, K] float32 matrix gguf-py dequantizes: the same

@@ -105,7 +105,7 @@ class QuantPart:
     float32 matrix gguf-py dequantizes, never widened into memory. A fused matmul whose parts have
     different block types (Gemma's q/k Q5_0 beside v Q8_0) holds one part per run of equal types."""
 
-    type_id: int
+    type_id: int  # ggml's type id, or that of its lane-local packing (MatmulRoutes._regroup)
     packed: list[torch.Tensor]
     n: int
 
@@ -235,6 +235,7 @@ class MatmulRoutes:
         if self.quant is not None:  # the blocks, at every row count (batch-invariant by construction)
             if kernels is None:
                 raise ValueError("model: quantized weights read in place need the C++ kernels")
+            self._regroup(kernels, lanes=False)  # (a second setup) the ggml types' packing while the routes are chosen
             # A bf16 model computes with bf16 weights (the blocks' values rounded, as a dequantized bf16 model
             # holds them), on AVX512-BF16's pair dot products; elsewhere with the exact float32 weights.
             bf16 = weight.dtype == torch.bfloat16 and kernels.quant_bf16
@@ -252,6 +253,7 @@ class MatmulRoutes:
             if kernels.quant_i8 and not batch_invariant and all(p.type_id in kernels.quant_i8_types
                                                                  for p in self.quant):
                 self.few_rows = Route.QUANT_I8
+            self._regroup(kernels, lanes=self.few_rows == self.many_rows == Route.QUANT_BF16 and not float32_out)
             return
         bf16 = weight.dtype == torch.bfloat16
         if batch_invariant and kernels is None:
@@ -284,6 +286,17 @@ class MatmulRoutes:
             self.few_rows = Route.BF16_GEMV
         else:
             self.few_rows = self.many_rows
+
+    def _regroup(self, kernels: CpuKernels, lanes: bool) -> None:
+        """Each part's blocks in place in the lane-local packing where `lanes` (only quant_linear_bf16 reads this
+        weight: the LM head, whose blocks a tied embedding also reads, never is) and the build has one for its type
+        (CpuKernels.lanes_type: Q4_0, Q4_1), else in quant_pack's; the part's type_id names its packing."""
+        for p in self.quant or []:
+            ggml = kernels.ggml_type(p.type_id)
+            want = (kernels.lanes_type(ggml) if lanes else None) or ggml
+            if want != p.type_id:
+                kernels.relayout(p.packed, p.type_id, want)
+                p.type_id = want
 
     def route_for(self, x: torch.Tensor) -> Route:
         """The route x's row count takes (few_rows for 1 to GEMV_MAX_ROWS rows, else many_rows)."""

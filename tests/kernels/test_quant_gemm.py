@@ -392,6 +392,105 @@ def test_bf16_non_finite_scale_leaves_the_other_rows_weights_exact(kernels, thre
         assert got[:, ~good].isnan().all(), rows
 
 
+def _lanes_type(kernels, qtype: Q) -> int:
+    lanes = kernels.ext.quant_lanes_type(int(qtype))
+    if lanes < 0:
+        pytest.skip("no lane-local packing in this build (it needs AVX512-BF16 and VBMI)")
+    return lanes
+
+
+def _both_forms_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """Q4_0 / Q4_1 blocks of model-like scales where some sub-blocks cannot take the magic form: Q4_1 rows whose m
+    lies 2^14 below d (c = m - 128 d inexact), and in both types a row with an inf d and one with a NaN d."""
+    raw = random_blocks(qtype, n, k, seed)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = raw.reshape(n, -1, block_bytes)
+    rng = np.random.default_rng(seed + 1)
+    d = (rng.uniform(0.5, 1.5, size=blocks.shape[:2]) * 2.0**-2).astype(np.float16)
+    d[9, 1], d[40, 0] = np.inf, np.nan
+    blocks[..., 0:2] = d.view(np.uint8).reshape(*d.shape, 2)
+    if qtype == Q.Q4_1:
+        m = (-d.astype(np.float64) * rng.uniform(6.0, 9.0, size=d.shape)).astype(np.float16)
+        m[20, 3] = d[20, 3] * np.float16(2.0**-14)
+        m[70, 1:] = d[70, 1:] * np.float16(2.0**-14)
+        blocks[..., 2:4] = m.view(np.uint8).reshape(*m.shape, 2)
+    return blocks.reshape(n, -1)
+
+
+@needs_bf16
+@pytest.mark.parametrize("bf16_route", BF16_ROUTES, indirect=True)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_lane_local_packing_gives_the_bf16_routes_bits(kernels, threads, bf16_route, qtype):
+    """quant_relayout regroups each block's quant bytes lane-local (the bf16 route widens them without a byte
+    permute) and back: the same bytes, moved. On it quant_linear_bf16, its SwiGLU and its greedy argmax give the bits
+    of quant_pack's packing at every row count and thread count, in the magic form and the converting one (blocks
+    whose c is inexact, non-finite scales) -- every weight gguf-py's rounded to bf16 (unit rows) -- and
+    quant_embedding dequantizes it as gguf-py does."""
+    lanes = _lanes_type(kernels, qtype)
+    n, k = 96, 640  # 6 panels: GEMV groups of 2; 20 blocks
+    raw = _both_forms_blocks(qtype, n, k, seed=61)
+    with np.errstate(invalid="ignore"):
+        w = dequantize(raw, qtype)
+    planes = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    regrouped = [t.clone() for t in planes]
+    kernels.relayout(regrouped, int(qtype), lanes)
+    assert not torch.equal(regrouped[0], planes[0])
+    assert torch.equal(regrouped[0].sort(dim=1).values, planes[0].sort(dim=1).values)  # each panel's bytes, moved
+    emb = kernels.ext.quant_embedding(torch.arange(n), regrouped, lanes, k, torch.float32)
+    assert torch.equal(emb.nan_to_num(), w.nan_to_num())
+    good = torch.ones(n, dtype=torch.bool)
+    good[[9, 40]] = False
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    expect = w.to(torch.bfloat16).float().t()
+    for rows in (1, 3, 4, k):
+        got = torch.cat([kernels.quant_linear_bf16(eye[i : i + rows], regrouped, lanes, n, None, torch.float32)
+                         for i in range(0, k, rows)])
+        assert torch.equal(got[:, good], expect[:, good]), rows
+    g = torch.Generator().manual_seed(62)
+    x = torch.randn(300, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    for m in (1, 2, 3, 4, 5, 17, 300):
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            ref = kernels.quant_linear_bf16(x[:m], planes, int(qtype), n, bias, torch.float32)
+            got = kernels.quant_linear_bf16(x[:m], regrouped, lanes, n, bias, torch.float32)
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (m, t)  # NaNs too, bit for bit
+            assert torch.equal(kernels.quant_linear_bf16_silu(x[:m], regrouped, lanes, n).view(torch.int16),
+                               kernels.quant_linear_bf16_silu(x[:m], planes, int(qtype), n).view(torch.int16)), (m, t)
+    finite = _both_forms_blocks(qtype, n, k, seed=63)
+    finite[[9, 40]] = random_blocks(qtype, n, k, seed=64)[[9, 40]]  # finite logits: an argmax in every row
+    head = kernels.quant_pack(torch.from_numpy(finite), int(qtype))
+    kernels.relayout(head, int(qtype), lanes)
+    for m in (1, 4, 17, 300):
+        logits = kernels.quant_linear_bf16(x[:m], head, lanes, n, None, torch.float32)
+        assert torch.equal(kernels.quant_linear_bf16_argmax(x[:m], head, lanes, n, None), logits.argmax(-1)), m
+    kernels.relayout(regrouped, lanes, int(qtype))
+    assert torch.equal(regrouped[0], planes[0])
+
+
+@needs_bf16
+def test_lane_local_packing_is_read_by_the_bf16_route_only(kernels):
+    """The lane-local packing exists for Q4_0 / Q4_1 only; quant_pack packs ggml types; the float32 and int8 routes
+    refuse a lane-local weight by name, as quant_relayout refuses another block format."""
+    lanes = _lanes_type(kernels, Q.Q4_1)
+    assert kernels.ext.quant_lanes_type(int(Q.Q8_0)) == -1 and kernels.ext.quant_lanes_type(int(Q.Q4_K)) == -1
+    assert lanes not in kernels.ext.quant_types()
+    raw = torch.from_numpy(random_blocks(Q.Q4_1, 32, 64, seed=64))
+    packed = kernels.quant_pack(raw, int(Q.Q4_1))
+    kernels.relayout(packed, int(Q.Q4_1), lanes)
+    with pytest.raises(RuntimeError, match="bf16 route only"):
+        kernels.quant_linear(torch.randn(2, 64), packed, lanes, 32, None, torch.float32)
+    if kernels.ext.has_quant_i8():
+        with pytest.raises(RuntimeError, match="is not Q4_0"):
+            kernels.ext.quant_linear_i8(torch.randn(2, 64), packed, lanes, 32, 64, None, torch.float32)
+    with pytest.raises(RuntimeError, match="quant_relayout makes"):
+        kernels.quant_pack(raw, lanes)
+    with pytest.raises(RuntimeError, match="cannot be repacked"):
+        kernels.relayout(packed, lanes, int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="not one of"):  # no lane-local Q8_0
+        kernels.relayout(packed, int(Q.Q8_0), lanes & ~0xFF | int(Q.Q8_0))
+
+
 @needs_bf16
 def test_bf16_linear_cuts_rows_for_an_odd_number_of_groups(kernels, threads):
     """With few panel groups that two threads cannot share evenly (3 here: 9 panels, the decode step's o and down

@@ -340,6 +340,62 @@ def test_decode_stack_takes_many_sequences_over_gguf_blocks(tmp_path, uncached_g
     assert torch.equal(runs[0][1], runs[1][1])
 
 
+def test_bf16_q4_blocks_are_regrouped_lane_local_with_the_same_bits(tmp_path, uncached_gguf):
+    """A bf16 model's Q4_0 / Q4_1 layer weights, which quant_linear_bf16 reads at every row count, are regrouped at
+    setup into the lane-local packing (quant_lanes); other types, the int8 route's weights and the LM head (whose
+    blocks a tied embedding reads) keep quant_pack's. Prefill and decode steps (the stack and layer by layer) give
+    the bits of the same model without it, and a setup without it restores the packing byte for byte."""
+    from test_model_vs_hf import PagedSequences
+
+    from pagedserve.kernels import CpuKernels
+    from pagedserve.model.matmul import Route
+
+    kernels = CpuKernels.build()
+    if not kernels.quant_bf16 or kernels.lanes_type(int(QT.Q4_1)) is None:
+        pytest.skip("the lane-local packing needs AVX512-BF16 and VBMI")
+    hf = _tiny_hf(tie=True, hidden=128)
+    path = tmp_path / "q.gguf"
+    _tiny_gguf(path, hf, {"token_embd": "Q4_1", "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1",
+                          "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0"})
+    lm = loader.load_model(str(path), torch.bfloat16, kernels=kernels)
+    lanes = {int(QT.Q4_0): kernels.lanes_type(int(QT.Q4_0)), int(QT.Q4_1): kernels.lanes_type(int(QT.Q4_1))}
+
+    def setup(k):
+        routes = lm.model.setup_matmuls(k, pack=False, batch_hint=8)
+        parts = [p for r in routes if not r.float32_out for p in r.quant]
+        return parts, [p.type_id for p in parts], [p.packed[0].clone() for p in parts]
+
+    parts, plain_types, plain_bytes = setup(kernels.replace(quant_lanes=False))
+    assert set(plain_types) == {int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0)}
+    rng = random.Random(9)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(6, 20))] for _ in range(6)]
+    feed = [[rng.randrange(256) for _ in prompts] for _ in range(4)]
+
+    def decode(k, use_stack=True):
+        run = PagedSequences(lm, "fused", len(prompts), dtype=torch.bfloat16, seed=8,
+                             kernels=k.replace(decode_stack=use_stack))
+        steps = [run.step(prompts)]
+        for fed in feed:
+            steps.append(run.step([[t] for t in fed]))
+        return torch.cat(steps)
+
+    plain = decode(kernels.replace(quant_lanes=False))
+    _, types, regrouped = setup(kernels)
+    assert types == [lanes.get(t, t) for t in plain_types]
+    assert lm.model.embed_quant.type_id == int(QT.Q4_1)  # the tied head and the embedding: quant_pack's
+    assert lm.model._head_routes.few_rows == Route.QUANT_BF16 and lm.model._head_routes.quant[0].type_id == int(QT.Q4_1)
+    assert any(not torch.equal(a, b) for a, b in zip(regrouped, plain_bytes, strict=True))
+    assert torch.equal(decode(kernels), plain)
+    assert torch.equal(decode(kernels, use_stack=False), plain)
+    _, types, restored = setup(kernels.replace(quant_lanes=False))
+    assert types == plain_types
+    assert all(torch.equal(a, b) for a, b in zip(restored, plain_bytes, strict=True))
+    if kernels.ext.has_quant_i8():  # the int8 route reads quant_pack's packing at a few rows
+        k8 = CpuKernels.build(int8_activations=True)
+        _, types, _ = setup(k8)
+        assert types == plain_types
+
+
 @pytest.mark.parametrize("arch", ["native", "x86-64-v3"])  # x86-64-v3: the AVX2 int8 kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int8_activations_take_the_decode_matmuls_only(tmp_path, uncached_gguf, dtype, arch):

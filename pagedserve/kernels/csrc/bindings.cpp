@@ -56,6 +56,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the ggml type ids quant_pack / quant_linear / quant_embedding read (Q4_0 ... Q6_K)");
   m.def("quant_pack", &pagedserve::quant_pack, py::arg("raw"), py::arg("type_id"),
         "GGUF rows of blocks uint8 [N, row_bytes] -> [packed] (16 rows per panel, bytes regrouped, not expanded)");
+  m.def("quant_lanes_type", &pagedserve::quant_lanes_type, py::arg("type_id"),
+        "the type id of the lane-local packing of a ggml type that this build's bf16 route reads (Q4_0, Q4_1 with "
+        "AVX512-BF16 and VBMI), else -1");
+  m.def("quant_relayout", &pagedserve::quant_relayout, py::arg("packed"), py::arg("from_type"), py::arg("to_type"),
+        "regroup quant_pack's blocks in place between a ggml type's packing and its lane-local one (either way)");
   m.def("quant_linear", &pagedserve::quant_linear, py::arg("x"), py::arg("packed"), py::arg("type_id"), py::arg("n"),
         py::arg("k"), py::arg("bias"), py::arg("out_dtype"),
         "x @ W.T (+ bias), W read from quant_pack's blocks: fixed_linear's FMA chains over the dequantized W");

@@ -144,9 +144,9 @@ class DecodeStack {
         TORCH_CHECK(known && m->q.size() == need,
                     "DecodeStack: matmul route ", m->route, " with ", m->q.size(), " block tensors");
         if (quant) {
-          const auto types = quant_types();
-          TORCH_CHECK(std::find(types.begin(), types.end(), m->qtype) != types.end() && m->out_features() >= 1,
-                      "DecodeStack: a quantized matmul needs a quant_types() type id and n (got ", m->qtype, ", ",
+          TORCH_CHECK(quant_type_known(m->qtype) && m->out_features() >= 1,
+                      "DecodeStack: a quantized matmul needs a quant_types() type id (or its lane-local packing's) "
+                      "and n (got ", m->qtype, ", ",
                       m->out_features(), ")");
         }
       }

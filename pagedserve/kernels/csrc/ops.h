@@ -47,6 +47,9 @@ torch::Tensor fixed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10
 // GGUF quantized weights read in place, batch-invariant (quant_gemm.cpp).
 std::vector<int64_t> quant_types();
 std::vector<torch::Tensor> quant_pack(torch::Tensor raw, int64_t type);
+bool quant_type_known(int64_t type);
+int64_t quant_lanes_type(int64_t type);
+void quant_relayout(std::vector<torch::Tensor> packed, int64_t from_type, int64_t to_type);
 torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t type, int64_t N, int64_t K,
                            c10::optional<torch::Tensor> bias, c10::ScalarType out_dtype);
 bool has_quant_bf16();

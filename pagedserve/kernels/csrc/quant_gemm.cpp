@@ -16,7 +16,10 @@
 // regrouped so that one 16-byte load gives a byte of every row (one vector lane per output row):
 // fp16 fields (d, m, dmin) as 16 consecutive halves, every other field "byte-planar": byte j of the
 // field for row r at field_offset + 16 * j + r. The bytes are the file's bytes, only moved: the 6-bit
-// K-quant scales are unpacked in the kernels. (kQuantTypes lists each type's fields.)
+// K-quant scales are unpacked in the kernels. (kQuantTypes lists each type's fields.) The bf16 route also reads Q4_0 /
+// Q4_1 packed lane-local (quant_relayout, where VBMI is built; type ids kQ4_0L / kQ4_1L): each block's quant bytes
+// regrouped so that its widening needs no byte permute (packed_index, FastPairs::lanes4); the model does this at
+// load for weights that no other route reads (model/matmul.py, MatmulRoutes._regroup).
 //
 // Kernels. Few rows (M <= 4, decode; bound by reading and widening the weights): a GEMV that widens one k of 16
 // rows at a time in registers (one 16-byte load, a few integer ops, two int -> float conversions and the scale
@@ -62,6 +65,7 @@ namespace {
 struct Field {
   int16_t raw_off, len, packed_off;
   bool planar;
+  bool lanes = false;  // planar bytes regrouped lane-local (the bf16 route's Q4_0 / Q4_1: see packed_index)
 };
 
 struct QuantType {
@@ -76,6 +80,11 @@ struct QuantType {
 // ggml type ids (gguf.GGMLQuantizationType). Packed offsets: see the decoders below.
 enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
+// The lane-local packing of Q4_0 / Q4_1 (quant_relayout; read by the bf16 route only, where the build has VBMI): the
+// same blocks with each block's quant bytes regrouped (packed_index), under these ids (not ggml's: kLanes | its id).
+enum : int64_t { kLanes = 0x100, kQ4_0L = kLanes | kQ4_0, kQ4_1L = kLanes | kQ4_1 };
+constexpr int64_t base_type(int64_t id) { return id & ~kLanes; }
+
 constexpr QuantType kQuantTypes[] = {
     {kQ4_0, "Q4_0", 32, 18, 2, {{0, 2, 0, false}, {2, 16, 32, true}}},                      // d, qs
     {kQ4_1, "Q4_1", 32, 20, 3, {{0, 2, 0, false}, {2, 2, 32, false}, {4, 16, 64, true}}},  // d, m, qs
@@ -89,6 +98,9 @@ constexpr QuantType kQuantTypes[] = {
      {{0, 2, 0, false}, {2, 2, 32, false}, {4, 12, 64, true}, {16, 32, 256, true}, {48, 128, 768, true}}},
     // file: ql (128), qh (64), scales (16 int8), d; packed: d, scales, ql, qh
     {kQ6_K, "Q6_K", 256, 210, 4, {{208, 2, 0, false}, {192, 16, 32, true}, {0, 128, 288, true}, {128, 64, 2336, true}}},
+    // lane-local: the quants' bytes regrouped
+    {kQ4_0L, "Q4_0 (lane-local)", 32, 18, 2, {{0, 2, 0, false}, {2, 16, 32, true, true}}},
+    {kQ4_1L, "Q4_1 (lane-local)", 32, 20, 3, {{0, 2, 0, false}, {2, 2, 32, false}, {4, 16, 64, true, true}}},
 };
 
 constexpr QuantType quant_type(int64_t id) {
@@ -117,7 +129,12 @@ inline __mmask16 first_lanes(int64_t n) {
 // 16 panels each block's panel maxima.
 inline int64_t i8_norms_size(int64_t panels, int64_t nb) { return (panels + (panels + 15) / 16) * nb * 16; }
 
+// Byte j of field f of row r within a packed block. Lane-local (16 planes of 16 rows): four 64-byte groups -- (planes
+// 0-7, rows 0-7), (planes 0-7, rows 8-15), (planes 8-15, rows 0-7), (planes 8-15, rows 8-15) -- and in a group byte s
+// of dword lane l is row l / 2's byte of plane 2 s + l % 2, so that a 16-lane float vector of (row, k) pairs finds
+// each lane's quant in that lane (FastPairs::lanes4).
 inline int64_t packed_index(const Field& f, int64_t j, int64_t r) {
+  if (f.lanes) return f.packed_off + ((j / 8) * 2 + r / 8) * 64 + (2 * (r % 8) + j % 2) * 4 + (j % 8) / 2;
   return f.planar ? f.packed_off + j * 16 + r : f.packed_off + r * f.len + j;
 }
 
@@ -1143,6 +1160,9 @@ std::atomic<bool> g_amx_on{true};
 // then 6-row x 4-panel register tiles (24 accumulators) run over all of K.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(PAGEDSERVE_QUANT_AVX2)
 #define PAGEDSERVE_QUANT_BF16 1
+#if defined(__AVX512VBMI__)
+#define PAGEDSERVE_QUANT_LANES 1  // the lane-local Q4_0 / Q4_1 packing (FastPairs::lanes4)
+#endif
 constexpr int64_t kBfPanels = 4;  // panels per group
 constexpr int64_t kBfRows = 6;    // rows per register tile
 
@@ -1211,9 +1231,11 @@ inline void bf16_tile_any(int64_t R, int P, const uint16_t* x, int64_t xs, const
 // once either way (an fma rounds the exact product plus m once, as Widen's mul then add does), then nearest-even.
 template <int64_t T>
 struct FastPairs {
-  static constexpr bool kOk = T == kQ4_0 || T == kQ4_1 || T == kQ8_0 || T == kQ5_0 || T == kQ5_1 || T == kQ4_K ||
-                              T == kQ5_K || T == kQ6_K;
-  static constexpr bool kKScales = T == kQ4_K || T == kQ5_K;  // d * 6-bit scale, dmin * 6-bit min per sub-block
+  static constexpr int64_t B = base_type(T);  // the block format (T: kQ4_0L / kQ4_1L packed lane-local)
+  static constexpr bool kLanes = T != B;
+  static constexpr bool kOk = B == kQ4_0 || B == kQ4_1 || B == kQ8_0 || B == kQ5_0 || B == kQ5_1 || B == kQ4_K ||
+                              B == kQ5_K || B == kQ6_K;
+  static constexpr bool kKScales = B == kQ4_K || B == kQ5_K;  // d * 6-bit scale, dmin * 6-bit min per sub-block
   const uint8_t* q;
   const uint8_t* h;       // Q5_0, Q5_1, Q5_K, Q6_K: the high-bit planes
   __m512 d0, d1, m0, m1;  // (scale_r, scale_r) for rows 0-7 and 8-15, and the mins (Q6_K: the second scale)
@@ -1241,14 +1263,14 @@ struct FastPairs {
       k_scale_min16(pb + 64, s, sc, mn);
       scales(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc))),
              _mm512_mul_ps(halves16(pb + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
-      q = pb + (T == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
+      q = pb + (B == kQ4_K ? 256 : 768) + (s / 2) * 32 * 16;
       sh = _mm_cvtsi32_si128(4 * (s & 1));
-      if constexpr (T == kQ5_K) {  // qh plane l holds the fifth bit of k = 32 s + l at bit s
+      if constexpr (B == kQ5_K) {  // qh plane l holds the fifth bit of k = 32 s + l at bit s
         h = pb + 256;
         hs = _mm_cvtsi32_si128(s);
       }
       return;
-    } else if constexpr (T == kQ6_K) {  // k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
+    } else if constexpr (B == kQ6_K) {  // k = 32 s + i has scale 2 s (i < 16) or 2 s + 1
       const __m512 du = _mm512_mul_ps(d, _mm512_set1_ps(kSlowUnit));
       pairs(_mm512_mul_ps(du, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld(pb + 32 + (2 * s) * 16)))), d0, d1);
       pairs(_mm512_mul_ps(du, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld(pb + 32 + (2 * s + 1) * 16)))), m0, m1);
@@ -1258,13 +1280,13 @@ struct FastPairs {
       hs = _mm_cvtsi32_si128(2 * (s % 4));
       return;
     }
-    scales(d, T == kQ4_1 || T == kQ5_1 ? halves16(pb + 32) : _mm512_setzero_ps());
-    if constexpr (T == kQ4_1) {
+    scales(d, B == kQ4_1 || B == kQ5_1 ? halves16(pb + 32) : _mm512_setzero_ps());
+    if constexpr (B == kQ4_1) {
       q = pb + 64;
-    } else if constexpr (T == kQ5_1) {
+    } else if constexpr (B == kQ5_1) {
       h = pb + 64;
       q = pb + 128;
-    } else if constexpr (T == kQ5_0) {
+    } else if constexpr (B == kQ5_0) {
       h = pb + 32;
       q = pb + 96;
     } else {
@@ -1288,12 +1310,12 @@ struct FastPairs {
   //    scales() checks for the 16 rows of each sub-block (else the slow form): always so for finite D on the signed
   //    types, and for Q4_1 unless m and 128 D are about 2^12 apart. (A zero weight may come out +0 where the slow
   //    form gives -0: every sum starts at +0, so no output can tell.)
-  static constexpr bool kMagic = T != kQ6_K;
+  static constexpr bool kMagic = B != kQ6_K;
   static constexpr float kSlowUnit = 1.f / 16777216.f;
-  static constexpr float kUnit = T == kQ8_0 ? 32768.f : 64.f;
-  static constexpr int32_t kBase = T == kQ8_0 ? 0x3F800000 : 0x40000000;  // 1.0f, 2.0f
-  static constexpr __mmask64 kMagicByte = T == kQ8_0 ? 0x2222222222222222ull : 0x4444444444444444ull;
-  static constexpr float kOffset = T == kQ4_0 ? 8.f : T == kQ5_0 ? 16.f : T == kQ8_0 ? 128.f : 0.f;
+  static constexpr float kUnit = B == kQ8_0 ? 32768.f : 64.f;
+  static constexpr int32_t kBase = B == kQ8_0 ? 0x3F800000 : 0x40000000;  // 1.0f, 2.0f
+  static constexpr __mmask64 kMagicByte = B == kQ8_0 ? 0x2222222222222222ull : 0x4444444444444444ull;
+  static constexpr float kOffset = B == kQ4_0 ? 8.f : B == kQ5_0 ? 16.f : B == kQ8_0 ? 128.f : 0.f;
 
   // Lane l: byte 32 half + (l % 2) * 16 + row0 + l / 2 of the 64, in every byte.
   static inline __m512i byte_idx(int row0, int half) {
@@ -1313,7 +1335,7 @@ struct FastPairs {
       const __m512 sD = _mm512_mul_ps(D, _mm512_set1_ps(-kUnit));  // exact (D has at most 17 significant bits)
       __m512 a, b;
       if constexpr (kOffset != 0.f) {
-        a = T == kQ8_0 ? sD : _mm512_add_round_ps(sD, sD, rn);
+        a = B == kQ8_0 ? sD : _mm512_add_round_ps(sD, sD, rn);
         b = _mm512_mul_ps(D, _mm512_set1_ps(-kOffset));
       } else {
         a = kKScales ? _mm512_sub_round_ps(_mm512_setzero_ps(), m, rn) : m;
@@ -1373,12 +1395,12 @@ struct FastPairs {
     if constexpr (kKScales) {  // d * scale * q - dmin * min
       f0 = _mm512_fmsub_ps(q0, d0, m0);
       f1 = _mm512_fmsub_ps(q1, d1, m1);
-    } else if constexpr (T == kQ4_1 || T == kQ5_1) {  // d * q + m
+    } else if constexpr (B == kQ4_1 || B == kQ5_1) {  // d * q + m
       f0 = _mm512_fmadd_ps(q0, d0, m0);
       f1 = _mm512_fmadd_ps(q1, d1, m1);
     } else {  // signed: q, q - 8, q - 16, q - 32 (get took the offsets)
-      f0 = _mm512_mul_ps(q0, T == kQ6_K && second ? m0 : d0);
-      f1 = _mm512_mul_ps(q1, T == kQ6_K && second ? m1 : d1);
+      f0 = _mm512_mul_ps(q0, B == kQ6_K && second ? m0 : d0);
+      f1 = _mm512_mul_ps(q1, B == kQ6_K && second ? m1 : d1);
     }
     return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
   }
@@ -1390,7 +1412,7 @@ struct FastPairs {
   // 2.0f, and after a 4-bit right shift its high nibble: one lane-crossing op per two pair vectors instead of two per
   // pair vector (Zen 4, benchmarks/avx512/widen_costs.cpp: 6.1 -> 5.9 cycles per pair vector at 1 row, 3.7 -> 3.3 per
   // pair vector and row at 2).
-  static constexpr bool kNibbles = T == kQ4_0 || T == kQ4_1;
+  static constexpr bool kNibbles = B == kQ4_0 || B == kQ4_1;
   inline void get4(int j, __m512i& lo0, __m512i& lo1, __m512i& hi0, __m512i& hi1) const {
     static_assert(kNibbles);
     const __m512i raw = load64(q + 2 * j * 16);
@@ -1409,8 +1431,69 @@ struct FastPairs {
     return magic_pair(_mm512_ternarylogic_epi32(v0, at16, base, 0xEA),  // 0xEA: (v & at16) | base
                       _mm512_ternarylogic_epi32(v1, at16, base, 0xEA));
   }
+
+  // get4's four pair vectors (and in the converting form, Magic false, get2<false>'s bits) from the lane-local
+  // packing (kLanes: packed_index). Pair vector j's quants (k = 2 j, 2 j + 1: the low nibbles of planes 2 j, 2 j + 1)
+  // lie in group j / 4 (rows 0-7) and the next (rows 8-15) at bits 8 (j % 4) .. + 3 of each lane, pair vector j + 8's
+  // (their high nibbles, k + 16) four bits above: a shift puts them where make wants them, with no lane crossing
+  // (Zen 4, benchmarks/avx512/widen_costs.cpp: ~8% fewer cycles per pair vector than get4's vpermb).
+  // get4 (magic form), or lanes4 in either form where kLanes: what the callers run for Q4_0 / Q4_1 where quads<Magic>.
+  template <bool Magic>
+  static constexpr bool quads = kNibbles && (Magic || kLanes);
+  template <bool Magic>
+  __attribute__((always_inline)) inline void get4x(int j, __m512i& lo0, __m512i& lo1, __m512i& hi0, __m512i& hi1) const {
+    if constexpr (kLanes) {
+      lanes4<Magic>(j, lo0, lo1, hi0, hi1);
+    } else {
+      static_assert(Magic);
+      get4(j, lo0, lo1, hi0, hi1);
+    }
+  }
+  template <bool Magic>
+  __attribute__((always_inline)) inline void lanes4(int j, __m512i& lo0, __m512i& lo1, __m512i& hi0, __m512i& hi1) const {
+    static_assert(kLanes);
+    const uint8_t* g = q + (j / 4) * 128;
+    const __m512i v0 = load64(g), v1 = load64(g + 64);
+    const int b = 8 * (j % 4);  // j even: pair vector j + 1 at b + 8
+    lo0 = lanes_pair<Magic>(v0, v1, b);
+    lo1 = lanes_pair<Magic>(v0, v1, b + 8);
+    hi0 = lanes_pair<Magic>(v0, v1, b + 4);
+    hi1 = lanes_pair<Magic>(v0, v1, b + 12);
+  }
+  // Each lane's nibble at bits at .. at + 3 moved to bits to .. to + 3.
+  __attribute__((always_inline)) static inline __m512i nibble_to(__m512i v, int at, int to) {
+    if (at < to) return _mm512_slli_epi32(v, static_cast<unsigned>(to - at));
+    if (at > to) return _mm512_srli_epi32(v, static_cast<unsigned>(at - to));
+    return v;
+  }
+  // The pair vector of rows 0-7 (v0) and 8-15 (v1) from their lanes' nibbles at bits at .. at + 3.
+  template <bool Magic>
+  __attribute__((always_inline)) inline __m512i lanes_pair(__m512i v0, __m512i v1, int at) const {
+    if constexpr (Magic) {
+      return nibbles(nibble_to(v0, at, 16), nibble_to(v1, at, 16));
+    } else {  // make's converting form: q * 2^24 (Q4_0: (q - 8) * 2^24) converted exactly, the scales carry 2^-24
+      const auto q24 = [&](__m512i v) __attribute__((always_inline)) {
+        __m512i i = _mm512_and_si512(nibble_to(v, at, 24), _mm512_set1_epi32(0x0F000000));
+        if constexpr (B == kQ4_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(8 << 24));
+        return _mm512_cvtepi32_ps(i);
+      };
+      const __m512 q0 = q24(v0), q1 = q24(v1);
+      __m512 f0, f1;
+      if constexpr (B == kQ4_1) {  // d * q + m
+        f0 = _mm512_fmadd_ps(q0, d0, m0);
+        f1 = _mm512_fmadd_ps(q1, d1, m1);
+      } else {
+        f0 = _mm512_mul_ps(q0, d0);
+        f1 = _mm512_mul_ps(q1, d1);
+      }
+      return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+    }
+  }
 #else
   static constexpr bool kNibbles = false;  // get4 is called only where it holds (in if constexpr branches)
+  static_assert(!kLanes, "the lane-local packing is read only where VBMI is built (quant_lanes_type)");
+  template <bool Magic>
+  static constexpr bool quads = false;
   static constexpr bool kMagic = false;
   static constexpr float kSlowUnit = 1.f;
   inline void to_slow() {}
@@ -1424,10 +1507,10 @@ struct FastPairs {
     const __m128i a = _mm256_castsi256_si128(ab), b = _mm256_extracti128_si256(ab, 1);
     const __m128i r0 = _mm_unpacklo_epi8(a, b), r1 = _mm_unpackhi_epi8(a, b);  // rows 0-7, 8-15: (k, k+1)
     __m512 f0, f1;
-    if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ5_0) {  // signed: q, q - 8, q - 16 (get took the offsets)
+    if constexpr (B == kQ8_0 || B == kQ4_0 || B == kQ5_0) {  // signed: q, q - 8, q - 16 (get took the offsets)
       f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d0);
       f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d1);
-    } else if constexpr (T == kQ6_K) {  // signed q - 32 already
+    } else if constexpr (B == kQ6_K) {  // signed q - 32 already
       f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), second ? m0 : d0);
       f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), second ? m1 : d1);
     } else if constexpr (kKScales) {  // d * scale * q - dmin * min
@@ -1451,17 +1534,17 @@ struct FastPairs {
     constexpr bool M = Magic && kMagic;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512i v;
-    if constexpr (T == kQ8_0) {  // byte planes 2 j .. 2 j + 3 (Q8_0's magic form: unsigned, the sign bit flipped)
+    if constexpr (B == kQ8_0) {  // byte planes 2 j .. 2 j + 3 (Q8_0's magic form: unsigned, the sign bit flipped)
       v = load64(q + 2 * j * 16);
       if constexpr (M) v = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
-    } else if constexpr (T == kQ4_K) {  // byte planes k of the sub-block pair, this sub-block's nibble
+    } else if constexpr (B == kQ4_K) {  // byte planes k of the sub-block pair, this sub-block's nibble
       v = _mm512_and_si512(_mm512_srl_epi16(load64(q + 2 * j * 16), sh), low4);
-    } else if constexpr (T == kQ5_K) {  // and bit s of qh planes k at bit 4 (16-bit shifts: one bit per byte survives)
+    } else if constexpr (B == kQ5_K) {  // and bit s of qh planes k at bit 4 (16-bit shifts: one bit per byte survives)
       const __m512i nib = _mm512_and_si512(_mm512_srl_epi16(load64(q + 2 * j * 16), sh), low4);
       const __m512i hi = _mm512_slli_epi16(
           _mm512_and_si512(_mm512_srl_epi16(load64(h + 2 * j * 16), hs), _mm512_set1_epi8(0x01)), 4);
       v = _mm512_or_si512(nib, hi);
-    } else if constexpr (T == kQ6_K) {  // low 4 bits from ql, bits 4-5 from qh, minus 32
+    } else if constexpr (B == kQ6_K) {  // low 4 bits from ql, bits 4-5 from qh, minus 32
       const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(load64(q + 2 * j * 16), sh), low4);
       const __m512i hi = _mm512_slli_epi16(
           _mm512_and_si512(_mm512_srl_epi16(load64(h + 2 * j * 16), hs), _mm512_set1_epi8(0x03)), 4);
@@ -1470,7 +1553,7 @@ struct FastPairs {
       const int jj = j & 7;  // byte planes 2 jj .. 2 jj + 3: low nibbles k = 2 jj.., high nibbles k = 16 + 2 jj..
       const __m512i raw = load64(q + 2 * jj * 16);
       const __m512i nib = j < 8 ? _mm512_and_si512(raw, low4) : _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-      if constexpr (T == kQ5_0 || T == kQ5_1) {
+      if constexpr (B == kQ5_0 || B == kQ5_1) {
         // Q5_0: q - 16 = nib where the high bit is set, else nib - 16; Q5_1: q = nib + 16 where it is set. k = 2 j,
         // 2 j + 1 (and 2 j + 2, 2 j + 3: pair vector j + 1) take bits b .. b + 3 (b = 2 j % 8) of qh byte plane
         // j / 4: that plane in each 16-byte quarter, tested against its bit (one mask bit per byte).
@@ -1480,11 +1563,11 @@ struct FastPairs {
             _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi8(static_cast<char>(2 << b)),
                                                     _mm_set1_epi8(static_cast<char>(1 << b)))),
             _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(8 << b)), _mm_set1_epi8(static_cast<char>(4 << b))), 1);
-        if constexpr (T == kQ5_1 || M)  // Q5_0's magic form: q + 16 unsigned, as Q5_1's
+        if constexpr (B == kQ5_1 || M)  // Q5_0's magic form: q + 16 unsigned, as Q5_1's
           v = _mm512_mask_add_epi8(nib, _mm512_test_epi8_mask(hp, bit), nib, _mm512_set1_epi8(16));
         else
           v = _mm512_mask_sub_epi8(nib, _mm512_testn_epi8_mask(hp, bit), nib, _mm512_set1_epi8(16));
-      } else if constexpr (T == kQ4_0 && !M) {
+      } else if constexpr (B == kQ4_0 && !M) {
         v = _mm512_sub_epi8(nib, _mm512_set1_epi8(8));
       } else {
         v = nib;
@@ -1502,11 +1585,11 @@ __attribute__((always_inline)) inline void widen_sub_bf16(const uint8_t* panel, 
   FastPairs<T> fp;
   fp.init(panel, k0);
   const auto steps = [&]<bool Magic>() {
-    if constexpr (Magic && FastPairs<T>::kNibbles) {
+    if constexpr (FastPairs<T>::template quads<Magic>) {
       PAGEDSERVE_UNROLL
       for (int j = 0; j < 8; j += 2) {
         __m512i l0, l1, h0, h1;
-        fp.get4(j, l0, l1, h0, h1);
+        fp.template get4x<Magic>(j, l0, l1, h0, h1);
         _mm512_storeu_si512(out + j * 32, l0);
         _mm512_storeu_si512(out + (j + 1) * 32, l1);
         _mm512_storeu_si512(out + (j + 8) * 32, h0);
@@ -1563,13 +1646,13 @@ void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t
       }
     };
     const auto steps = [&]<bool Magic>() {
-      if constexpr (Magic && FastPairs<T>::kNibbles) {  // pair vectors j and j + 8 together, j + 8 held for its turn
+      if constexpr (FastPairs<T>::template quads<Magic>) {  // pair vectors j and j + 8 together, j + 8 held
         __m512i held[P][8];
         PAGEDSERVE_UNROLL
         for (int j = 0; j < 8; j += 2) {
           __m512i wv[P][2];
           PAGEDSERVE_UNROLL
-          for (int p = 0; p < P; ++p) fp[p].get4(j, wv[p][0], wv[p][1], held[p][j], held[p][j + 1]);
+          for (int p = 0; p < P; ++p) fp[p].template get4x<Magic>(j, wv[p][0], wv[p][1], held[p][j], held[p][j + 1]);
           dots(j, &wv[0][0], 2);
           dots(j + 1, &wv[0][1], 2);
         }
@@ -3300,8 +3383,21 @@ inline void dispatch_type(int64_t type, F&& body) {
     case kQ4_K: body.template operator()<kQ4_K>(); break;
     case kQ5_K: body.template operator()<kQ5_K>(); break;
     case kQ6_K: body.template operator()<kQ6_K>(); break;
-    default: TORCH_CHECK(false, "quant: ggml type ", type, " is not one of the quantized types read in place");
+    default:
+      TORCH_CHECK(!(type & kLanes) || base_type(type) != kQ4_0 && base_type(type) != kQ4_1,
+                  "quant: type id ", type, " (lane-local packing) is read by the bf16 route only");
+      TORCH_CHECK(false, "quant: ggml type ", type, " is not one of the quantized types read in place");
   }
+}
+
+// dispatch_type for the bf16 route, which also reads the lane-local packing where the build has it.
+template <typename F>
+inline void dispatch_type_bf16(int64_t type, F&& body) {
+#ifdef PAGEDSERVE_QUANT_LANES
+  if (type == kQ4_0L) return body.template operator()<kQ4_0L>();
+  if (type == kQ4_1L) return body.template operator()<kQ4_1L>();
+#endif
+  dispatch_type(type, std::forward<F>(body));
 }
 
 // The packed tensor of `packed` checked against the type; returns K (weights per row) and the panel count.
@@ -3345,14 +3441,60 @@ const torch::Tensor& checked_linear(const torch::Tensor& x, const std::vector<to
 std::vector<int64_t> quant_types() {
   using namespace quant_detail;
   std::vector<int64_t> out;
-  for (const auto& t : kQuantTypes) out.push_back(t.id);
+  for (const auto& t : kQuantTypes)
+    if (!(t.id & kLanes)) out.push_back(t.id);
   return out;
+}
+
+bool quant_type_known(int64_t type) {
+  using namespace quant_detail;
+  if (type & kLanes) return quant_lanes_type(base_type(type)) == type;
+  const auto types = quant_types();
+  return std::find(types.begin(), types.end(), type) != types.end();
+}
+
+// The type id of the lane-local packing of ggml type `type` (quant_relayout), where this build's bf16 route reads it
+// (Q4_0, Q4_1 with AVX512-BF16 and VBMI), else -1.
+int64_t quant_lanes_type(int64_t type) {
+  using namespace quant_detail;
+#ifdef PAGEDSERVE_QUANT_LANES
+  if (type == kQ4_0 || type == kQ4_1) return kLanes | type;
+#endif
+  (void)type;
+  return -1;
+}
+
+// Regroups each block of `packed` (quant_pack's list of a from_type weight) in place into to_type's packing: a
+// ggml type and its lane-local packing (quant_lanes_type), either way. The bytes stay the file's, only moved.
+void quant_relayout(std::vector<torch::Tensor> packed, int64_t from_type, int64_t to_type) {
+  using namespace quant_detail;
+  const QuantType& f = checked_type(from_type, "quant_relayout");
+  const QuantType& t = checked_type(to_type, "quant_relayout");
+  TORCH_CHECK(base_type(from_type) == base_type(to_type) && quant_type_known(from_type) && quant_type_known(to_type),
+              "quant_relayout: ", f.name, " cannot be repacked as ", t.name, " here");
+  int64_t K, panels;
+  const torch::Tensor& p = checked_packed(packed, f, "quant_relayout", K, panels);
+  if (from_type == to_type) return;
+  uint8_t* w = p.data_ptr<uint8_t>();
+  const int64_t blocks = panels * (K / f.block_size), bytes = 16 * f.block_bytes;
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> tmp(bytes), blk(f.block_bytes);
+    for (int64_t b = b0; b < b1; ++b) {
+      uint8_t* pb = w + b * bytes;
+      for (int64_t r = 0; r < 16; ++r) {
+        gather_row(f, pb, r, blk.data());
+        scatter_row(t, blk.data(), tmp.data(), r);
+      }
+      std::memcpy(pb, tmp.data(), bytes);
+    }
+  });
 }
 
 // raw: uint8 [N, row_bytes] (the file's rows of blocks) -> [packed], packed uint8 [ceil(N / 16), 16 * row_bytes].
 std::vector<torch::Tensor> quant_pack(torch::Tensor raw, int64_t type) {
   using namespace quant_detail;
   const QuantType& t = checked_type(type, "quant_pack");
+  TORCH_CHECK(!(type & kLanes), "quant_pack: packs ggml types (quant_relayout makes the lane-local packing)");
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.size(0) >= 1 && raw.size(1) > 0 &&
                   raw.size(1) % t.block_bytes == 0,
               "quant_pack: raw must be uint8 [N, row_bytes] with whole ", t.name, " blocks per row");
@@ -3467,7 +3609,7 @@ torch::Tensor quant_linear_bf16(torch::Tensor x, std::vector<torch::Tensor> pack
   const uint16_t* xp = ptr<uint16_t>(x);
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const uint8_t* wp = p.data_ptr<uint8_t>();
-  dispatch_type(type, [&]<int64_t T>() {
+  dispatch_type_bf16(type, [&]<int64_t T>() {
     dispatch_float_bf16(y, "quant_linear_bf16", [&]<typename OT>() {
       quant_gemm_bf16<T, OT>(xp, x.stride(0), wp, bp, ptr<OT>(y), M, N, K);
     });
@@ -3532,7 +3674,7 @@ torch::Tensor quant_linear_bf16_argmax(torch::Tensor x, std::vector<torch::Tenso
 #endif
   }
   RowArgmax am(M, at::get_num_threads());
-  dispatch_type(type, [&]<int64_t T>() { route.rows<T, float>(xp, x.stride(0), wp, bp, nullptr, M, N, K, &am); });
+  dispatch_type_bf16(type, [&]<int64_t T>() { route.rows<T, float>(xp, x.stride(0), wp, bp, nullptr, M, N, K, &am); });
   return am.result();
 #else
   (void)p;
@@ -3665,7 +3807,7 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
     auto y = matmul_output(M, N / 2, x.options());
     const uint16_t* xp = ptr<uint16_t>(x);
     const uint8_t* wp = p.data_ptr<uint8_t>();
-    dispatch_type(type, [&]<int64_t T>() {
+    dispatch_type_bf16(type, [&]<int64_t T>() {
       route.rows<T, uint16_t, true>(xp, x.stride(0), wp, nullptr, ptr<uint16_t>(y), M, N, K);
     });
     return y;
@@ -3678,7 +3820,7 @@ torch::Tensor quant_linear_bf16_silu(torch::Tensor x, std::vector<torch::Tensor>
   const uint8_t* wp = p.data_ptr<uint8_t>();
   const int64_t xs = x.stride(0), pairs = N / 32;
   uint16_t* yp = ptr<uint16_t>(y);
-  dispatch_type(type, [&]<int64_t T>() {
+  dispatch_type_bf16(type, [&]<int64_t T>() {
     constexpr QuantType t = quant_type(T);
     const int64_t pstride = 16 * (K / t.block_size) * t.block_bytes, up = pairs * pstride;
     const auto silu = [&](int64_t g, const float* acc) {
@@ -3810,7 +3952,7 @@ torch::Tensor quant_embedding(torch::Tensor ids, std::vector<torch::Tensor> pack
   auto out = torch::empty(shape, torch::TensorOptions().dtype(out_dtype));
   const uint8_t* wp = p.data_ptr<uint8_t>();
   const int64_t pstride = p.size(1), nb = K / t.block_size;
-  dispatch_type(type, [&]<int64_t TT>() {
+  dispatch_type(base_type(type), [&]<int64_t TT>() {  // (t: this packing, lane-local or not)
     constexpr QuantType q = quant_type(TT);
     dispatch_float_bf16(out, "quant_embedding", [&]<typename OT>() {
       OT* o = ptr<OT>(out);
@@ -3820,7 +3962,7 @@ torch::Tensor quant_embedding(torch::Tensor ids, std::vector<torch::Tensor> pack
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t n = id[i];
           for (int64_t b = 0; b < nb; ++b) {
-            gather_row(q, wp + (n / 16) * pstride + b * 16 * q.block_bytes, n % 16, blk);
+            gather_row(t, wp + (n / 16) * pstride + b * 16 * q.block_bytes, n % 16, blk);
             dequant_block<TT>(blk, vals);
             for (int64_t j = 0; j < q.block_size; ++j) o[i * K + b * q.block_size + j] = Elem<OT>::store(vals[j]);
           }
