@@ -1460,6 +1460,17 @@ struct FastPairs {
     hi0 = lanes_pair<Magic>(v0, v1, b + 4);
     hi1 = lanes_pair<Magic>(v0, v1, b + 12);
   }
+  // Pair vectors j and j + 1 (j even) alone, in either form (the GEMV's chains take them in k order).
+  template <bool Magic>
+  __attribute__((always_inline)) inline void lanes2(int j, __m512i& g0, __m512i& g1) const {
+    static_assert(kLanes);
+    const int jj = j & 7;
+    const uint8_t* g = q + (jj / 4) * 128;
+    const __m512i v0 = load64(g), v1 = load64(g + 64);
+    const int b = 8 * (jj % 4) + (j >= 8 ? 4 : 0);
+    g0 = lanes_pair<Magic>(v0, v1, b);
+    g1 = lanes_pair<Magic>(v0, v1, b + 8);
+  }
   // Each lane's nibble at bits at .. at + 3 moved to bits to .. to + 3.
   __attribute__((always_inline)) static inline __m512i nibble_to(__m512i v, int at, int to) {
     if (at < to) return _mm512_slli_epi32(v, static_cast<unsigned>(to - at));
@@ -1646,6 +1657,17 @@ void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t
       }
     };
     const auto steps = [&]<bool Magic>() {
+      if constexpr (FastPairs<T>::kLanes) {  // in k order: no pair vector held
+        PAGEDSERVE_UNROLL
+        for (int j = 0; j < 16; j += 2) {
+          __m512i wv[P][2];
+          PAGEDSERVE_UNROLL
+          for (int p = 0; p < P; ++p) fp[p].template lanes2<Magic>(j, wv[p][0], wv[p][1]);
+          dots(j, &wv[0][0], 2);
+          dots(j + 1, &wv[0][1], 2);
+        }
+        return;
+      }
       if constexpr (FastPairs<T>::template quads<Magic>) {  // pair vectors j and j + 8 together, j + 8 held
         __m512i held[P][8];
         PAGEDSERVE_UNROLL
