@@ -36,8 +36,8 @@ enum Route : int64_t { kLinear = 0, kBf16Gemv = 1, kGgufRows = 2, kGgufR16 = 3, 
 // One matmul: its route, the plain weight and bias, and for the GGUF routes the block tensors
 // ([blocks] in GGUF's row layout, or [qs, scales, mins] regrouped by 16 rows; mins empty unless Q4_1),
 // for the batch-invariant route the weight packed by fixed_pack ([packed]; output in x's dtype), for the
-// quantized route quant_pack's list with qtype the ggml type id and n the output columns (no dense weight:
-// `weight` may be undefined; output in x's dtype).
+// quantized route quant_pack's list with qtype the ggml type id (on the bf16 route also a lane-local packing's:
+// quant_lanes_type) and n the output columns (no dense weight: `weight` may be undefined; output in x's dtype).
 struct MatmulSpec {
   int64_t route;
   torch::Tensor weight;

@@ -3406,7 +3406,7 @@ inline void dispatch_type(int64_t type, F&& body) {
     case kQ5_K: body.template operator()<kQ5_K>(); break;
     case kQ6_K: body.template operator()<kQ6_K>(); break;
     default:
-      TORCH_CHECK(!(type & kLanes) || base_type(type) != kQ4_0 && base_type(type) != kQ4_1,
+      TORCH_CHECK(!(type & kLanes) || (base_type(type) != kQ4_0 && base_type(type) != kQ4_1),
                   "quant: type id ", type, " (lane-local packing) is read by the bf16 route only");
       TORCH_CHECK(false, "quant: ggml type ", type, " is not one of the quantized types read in place");
   }
