@@ -1539,9 +1539,15 @@ struct FastPairs {
 
   // Pair vectors j and j + 1 (j even) of the sub-block (the pair vector of j: k = 2 j, 2 j + 1), made from one
   // 64-byte source, the byte planes of j and those of j + 1 side by side, so each op on the quants serves two pair
-  // vectors. Magic: in make's magic form (where init set magic).
+  // vectors. Magic: in make's magic form (where init set magic). On the lane-local packing: lanes2.
   template <bool Magic>
   inline void get2(int j, __m512i& g0, __m512i& g1) const {
+#if defined(__AVX512VBMI__)
+    if constexpr (kLanes) {
+      lanes2<Magic>(j, g0, g1);
+      return;
+    }
+#endif
     constexpr bool M = Magic && kMagic;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512i v;
@@ -1657,18 +1663,9 @@ void gemv_bf16_fast(const uint16_t* x, int64_t xs, const uint8_t* panel, int64_t
       }
     };
     const auto steps = [&]<bool Magic>() {
-      if constexpr (FastPairs<T>::kLanes) {  // in k order: no pair vector held
-        PAGEDSERVE_UNROLL
-        for (int j = 0; j < 16; j += 2) {
-          __m512i wv[P][2];
-          PAGEDSERVE_UNROLL
-          for (int p = 0; p < P; ++p) fp[p].template lanes2<Magic>(j, wv[p][0], wv[p][1]);
-          dots(j, &wv[0][0], 2);
-          dots(j + 1, &wv[0][1], 2);
-        }
-        return;
-      }
-      if constexpr (FastPairs<T>::template quads<Magic>) {  // pair vectors j and j + 8 together, j + 8 held
+      // Pair vectors j and j + 8 together, j + 8 held; not on the lane-local packing, whose pair vectors come in k
+      // order from get2 (lanes2) with none held.
+      if constexpr (FastPairs<T>::template quads<Magic> && !FastPairs<T>::kLanes) {
         __m512i held[P][8];
         PAGEDSERVE_UNROLL
         for (int j = 0; j < 8; j += 2) {
