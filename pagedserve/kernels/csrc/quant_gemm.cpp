@@ -1432,16 +1432,12 @@ struct FastPairs {
                       _mm512_ternarylogic_epi32(v1, at16, base, 0xEA));
   }
 
-  // get4's four pair vectors (and in the converting form, Magic false, get2<false>'s bits) from the lane-local
-  // packing (kLanes: packed_index). Pair vector j's quants (k = 2 j, 2 j + 1: the low nibbles of planes 2 j, 2 j + 1)
-  // lie in group j / 4 (rows 0-7) and the next (rows 8-15) at bits 8 (j % 4) .. + 3 of each lane, pair vector j + 8's
-  // (their high nibbles, k + 16) four bits above: a shift puts them where make wants them, with no lane crossing
-  // (Zen 4, benchmarks/avx512/widen_costs.cpp: ~8% fewer cycles per pair vector than get4's vpermb).
   // get4 (magic form), or lanes4 in either form where kLanes: what the callers run for Q4_0 / Q4_1 where quads<Magic>.
   template <bool Magic>
   static constexpr bool quads = kNibbles && (Magic || kLanes);
   template <bool Magic>
-  __attribute__((always_inline)) inline void get4x(int j, __m512i& lo0, __m512i& lo1, __m512i& hi0, __m512i& hi1) const {
+  __attribute__((always_inline)) inline void get4x(int j, __m512i& lo0, __m512i& lo1, __m512i& hi0,
+                                                   __m512i& hi1) const {
     if constexpr (kLanes) {
       lanes4<Magic>(j, lo0, lo1, hi0, hi1);
     } else {
@@ -1449,8 +1445,14 @@ struct FastPairs {
       get4(j, lo0, lo1, hi0, hi1);
     }
   }
+  // get4's four pair vectors (and in the converting form, Magic false, get2<false>'s bits) from the lane-local
+  // packing (kLanes: packed_index). Pair vector j's quants (k = 2 j, 2 j + 1: the low nibbles of planes 2 j, 2 j + 1)
+  // lie in group j / 4 (rows 0-7) and the next (rows 8-15) at bits 8 (j % 4) .. + 3 of each lane, pair vector j + 8's
+  // (their high nibbles, k + 16) four bits above: a shift puts them where make wants them, with no lane crossing
+  // (Zen 4, benchmarks/lanes_ab.py: W2's layer GEMVs 0.925x the time of get4's vpermb form hot, with get2's lanes2).
   template <bool Magic>
-  __attribute__((always_inline)) inline void lanes4(int j, __m512i& lo0, __m512i& lo1, __m512i& hi0, __m512i& hi1) const {
+  __attribute__((always_inline)) inline void lanes4(int j, __m512i& lo0, __m512i& lo1, __m512i& hi0,
+                                                    __m512i& hi1) const {
     static_assert(kLanes);
     const uint8_t* g = q + (j / 4) * 128;
     const __m512i v0 = load64(g), v1 = load64(g + 64);
