@@ -235,7 +235,6 @@ class MatmulRoutes:
         if self.quant is not None:  # the blocks, at every row count (batch-invariant by construction)
             if kernels is None:
                 raise ValueError("model: quantized weights read in place need the C++ kernels")
-            self._regroup(kernels, lanes=False)  # (a second setup) the ggml types' packing while the routes are chosen
             # A bf16 model computes with bf16 weights (the blocks' values rounded, as a dequantized bf16 model
             # holds them), on AVX512-BF16's pair dot products; elsewhere with the exact float32 weights.
             bf16 = weight.dtype == torch.bfloat16 and kernels.quant_bf16
@@ -250,8 +249,8 @@ class MatmulRoutes:
                 self.screen_i8 = norms if norms.numel() else None
             # Opted in (EngineConfig.int8_activations): a few rows quantize their activations, llama.cpp's way.
             # (Every part's type must be one the build takes: CpuKernels.quant_i8_types.)
-            if kernels.quant_i8 and not batch_invariant and all(p.type_id in kernels.quant_i8_types
-                                                                 for p in self.quant):
+            ggml_types = [kernels.ggml_type(p.type_id) for p in self.quant]  # (a lane-local part: its ggml type)
+            if kernels.quant_i8 and not batch_invariant and all(t in kernels.quant_i8_types for t in ggml_types):
                 self.few_rows = Route.QUANT_I8
             self._regroup(kernels, lanes=self.few_rows == self.many_rows == Route.QUANT_BF16 and not float32_out)
             return
@@ -290,7 +289,8 @@ class MatmulRoutes:
     def _regroup(self, kernels: CpuKernels, lanes: bool) -> None:
         """Each part's blocks in place in the lane-local packing where `lanes` (only quant_linear_bf16 reads this
         weight: the LM head, whose blocks a tied embedding also reads, never is) and the build has one for its type
-        (CpuKernels.lanes_type: Q4_0, Q4_1), else in quant_pack's; the part's type_id names its packing."""
+        (CpuKernels.lanes_type: Q4_0, Q4_1), else in quant_pack's (a second setup may go either way); the part's
+        type_id names its packing."""
         for p in self.quant or []:
             ggml = kernels.ggml_type(p.type_id)
             want = (kernels.lanes_type(ggml) if lanes else None) or ggml
