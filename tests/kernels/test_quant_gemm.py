@@ -92,6 +92,33 @@ def test_embedding_is_gguf_pys_dequantization(kernels, qtype, out_dtype):
     assert torch.equal(kernels.quant_embedding(ids, packed, int(qtype), k, out_dtype), w[ids].to(out_dtype))
 
 
+def test_a_nan_rounded_to_bf16_stays_a_nan(kernels):
+    """A NaN whose top payload bits are ones -- an fp16 NaN scale (0x7FFF, 0xFFFF) times a quant is float32 0x7FFFE000
+    -- rounded to a bf16 output is torch's NaN, not the rounding's carry into the exponent or sign (+-0.0, inf): so a
+    damaged block or a NaN activation still shows as NaN downstream (the engine fails that request). Whole panels
+    (the vector stores), a partial one (the scalar tail) and the embedding."""
+    qtype = Q.Q8_0
+    for bits in (0x7FFF, 0xFFFF, 0x7E01, 0xFD00):  # fp16 NaNs, quiet and signalling, both signs
+        raw = np.zeros((17, 34), np.uint8)
+        raw[:, 2:] = 1
+        raw[:, 0:2] = np.array([bits], np.uint16).view(np.uint8)
+        packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+        emb = kernels.quant_embedding(torch.tensor([0, 16]), packed, int(qtype), 32, torch.bfloat16)
+        assert emb.isnan().all(), hex(bits)
+        for m in (1, 5):  # the few-rows and many-rows drivers
+            y = kernels.quant_linear(torch.ones(m, 32), packed, int(qtype), 17, None, torch.bfloat16)
+            assert y.isnan().all(), (hex(bits), m)
+    # NaN payloads of x through finite weights into bf16 outputs (float32 in: the payload survives the products).
+    raw = random_blocks(qtype, 17, 64, seed=4)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    for payload in (0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0x7FC00000):
+        x = torch.ones(2, 64)
+        x.view(torch.int32)[0, 5] = torch.tensor(payload, dtype=torch.int64).to(torch.int32)
+        y = kernels.quant_linear(x, packed, int(qtype), 17, None, torch.bfloat16)
+        assert y[0].isnan().all() and not y[1].isnan().any(), hex(payload)
+        assert torch.equal(y[1], kernels.quant_linear(x[1:], packed, int(qtype), 17, None, torch.bfloat16)[0])
+
+
 def check_linear(kernels, qtype: Q, raw: np.ndarray, rows: tuple[int, ...], seed: int) -> None:
     """quant_linear == fixed_linear over the dequantized weight, bit for bit, for every row count in rows,
     with and without bias, float32/bf16 x and outputs; and a row's bits do not depend on the batch."""

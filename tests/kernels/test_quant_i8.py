@@ -214,3 +214,70 @@ def test_i8_linear_avx2_gives_the_vnni_bits(qtype):
                 b = vnni.quant_linear_i8(x, packed, int(qtype), n, None, torch.float32)
                 assert torch.equal(a, b), (m, x_dtype, (a - b).abs().max().item())
         check(avx2, x, raw, qtype)  # and the definition
+
+
+def quantize_x_unbounded(x: torch.Tensor) -> torch.Tensor:
+    """quantize_x in float32 arithmetic with an unbounded exponent range: each block scaled by 2^64 before 127 / amax
+    (exact: powers of two), so that a block below 127 / FLT_MAX gets its quants (dx = amax / 127 as it is, perhaps
+    denormal)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    dx = amax / torch.full_like(amax, 127.0)
+    up = torch.where(amax < 2.0**-100, torch.full_like(amax, 2.0**64), torch.ones_like(amax))
+    xs, amaxs = xb * up, amax * up
+    inv = torch.where(amaxs > 0, torch.full_like(amaxs, 127.0) / amaxs, torch.zeros_like(amaxs))
+    q = torch.round(xs * inv)
+    assert q.abs().max() <= 127
+    return (q.double() * dx.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_i8_linear_of_non_finite_and_tiny_activations(kernels, qtype):
+    """A block of x holding a NaN or an infinity makes its row's outputs NaN (the engine then fails the request; the
+    int8 route cannot give x @ W's inf), never a finite guess from its other values, and leaves the other rows'
+    bits alone. A block below 127 / FLT_MAX (normal or denormal floats) is quantized as an unbounded exponent range
+    would: 127 / amax no longer overflows into quants of the wrong sign. The same bits on every build (the AVX2 one
+    too: this runs for both)."""
+    n, k = 24, 512
+    raw = random_blocks(qtype, n, k, seed=29)
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    w = dequantize(raw, qtype).double()
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(7, k, generator=g)
+    x[0, 3] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, 500] = float("-inf")
+    x[3, 64:96] = float("nan")
+    for m in (1, 4, 7):
+        y = kernels.quant_linear_i8(x[:m], packed, int(qtype), n, None, torch.float32)
+        assert y[: min(m, 4)].isnan().all(), m
+        for r in range(4, m):  # finite rows: their own bits, whatever the rows beside them
+            alone = kernels.quant_linear_i8(x[r:r + 1], packed, int(qtype), n, None, torch.float32)
+            assert torch.equal(y[r], alone[0])
+    yb = kernels.quant_linear_i8(x, packed, int(qtype), n, None, torch.bfloat16)
+    assert yb[:4].isnan().all() and not yb[4:].isnan().any()
+
+    # Scales of about 1 (and mins): dx * d, denormal, then keeps ~17 bits.
+    rng = np.random.default_rng(37)
+    for off in HALVES[qtype]:
+        f16 = (rng.uniform(0.5, 2.0, raw.shape[0] * (k // 32)) * rng.choice([-1.0, 1.0], raw.shape[0] * (k // 32)))
+        blocks = raw.reshape(raw.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])
+        blocks[:, :, off:off + 2] = f16.astype(np.float16).view(np.uint8).reshape(raw.shape[0], -1, 2)[:, :blocks.shape[1]]
+    packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
+    w = dequantize(raw, qtype).double()
+    tiny = torch.randn(4, k, generator=g).abs() + 0.5
+    tiny[0] *= 1e-37  # normal floats: 127 / amax overflowed
+    tiny[1] *= 3e-39  # denormals
+    tiny[2, :256] *= 1e-30  # one half normal-sized (the old path), the other 1e-37
+    tiny[2, 256:] *= 1e-37
+    tiny[3] = -tiny[0]
+    y = kernels.quant_linear_i8(tiny, packed, int(qtype), n, None, torch.float32)
+    ref = quantize_x_unbounded(tiny) @ w.T
+    scale = quantize_x_unbounded(tiny).abs() @ w.abs().T
+    # dx is denormal here, and so are its products with the weights' scales: 1e-3 of the sum of magnitudes (the
+    # quants overflowed before came out 60 times the result, of the wrong sign).
+    assert torch.isfinite(y).all()
+    err = (y.double() - ref).abs()
+    assert (err <= 1e-3 * scale).all(), (err / scale).max().item()
+    assert (torch.sign(y) == torch.sign(ref.float())).float().mean() > 0.9  # (not garbage of one sign)
+

@@ -255,11 +255,13 @@ struct Elem<uint16_t> {
     std::memcpy(&f, &u, 4);
     return f;
   }
+  // Nearest-even; a NaN is torch's quiet NaN 0x7FC0 (c10::BFloat16): the rounding's carry would run a NaN whose top
+  // payload bits are ones into the sign or exponent (0x7FFFE000, an fp16 NaN scale times q: -0.0).
   static inline uint16_t store(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
   }
 };
 
@@ -330,11 +332,15 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-// v rounded to nearest-even bf16, as the top halves of the float32 lanes (Elem<uint16_t>::store's rounding).
+// v rounded to nearest-even bf16, as the top halves of the float32 lanes (Elem<uint16_t>::store's rounding, a NaN
+// its 0x7FC0).
 inline __m512i round_bf16_bits(__m512 v) {
-  __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
 }
 inline void store16(uint16_t* p, __m512 v) {  // round to nearest even, as Elem<uint16_t>::store
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)

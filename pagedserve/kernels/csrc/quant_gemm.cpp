@@ -3322,7 +3322,18 @@ inline float ieee_div(float a, float b) {
 }
 
 // Rows of x (float32 or bf16, row stride xs) quantized per 32-k block into q / dx / sq / sq16 (XQ's layout; AVX2
-// kernels: q16 too).
+// kernels: q16 too). A block holding a NaN or an infinity gets quants 0 and dx NaN, so that its row's outputs are NaN
+// (the engine then fails that request) on every build; below 2^-100 the block is scaled by 2^64 first, exact, so
+// that 127 / amax cannot overflow (the quants are those of an unbounded exponent range; dx may be denormal).
+inline bool nonfinite_block(const float* v) {
+  bool bad = false;
+  for (int i = 0; i < 32; ++i) {
+    uint32_t b;
+    std::memcpy(&b, v + i, 4);
+    bad = bad || (b & 0x7FFFFFFFu) >= 0x7F800000u;
+  }
+  return bad;
+}
 template <typename SX>
 void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* sq,
                       int32_t* sq16, [[maybe_unused]] int16_t* q16) {
@@ -3331,10 +3342,23 @@ void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, 
     for (int64_t b = 0; b < nb; ++b) {
       alignas(64) float v[32];
       for (int i = 0; i < 32; ++i) v[i] = Elem<SX>::load(x[m * xs + b * 32 + i]);
+      if (nonfinite_block(v)) {
+        std::memset(q + m * K + b * 32, 0, 32);
+        if (q16) std::memset(q16 + m * K + b * 32, 0, 32 * sizeof(int16_t));
+        dx[m * nb + b] = std::numeric_limits<float>::quiet_NaN();
+        sq16[(m * nb + b) * 2] = sq16[(m * nb + b) * 2 + 1] = sq[m * nb + b] = 0;
+        continue;
+      }
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));  // exact in any order
+      const float d = ieee_div(amax, 127.f);
+      if (amax < 0x1p-100f) {
+        for (int i = 0; i < 32; ++i) v[i] *= 0x1p64f;
+        amax *= 0x1p64f;
+      }
+      const float s = amax > 0.f ? ieee_div(127.f, amax) : 0.f;
 #ifdef PAGEDSERVE_QUANT_I8_VNNI
       const __m512 v0 = _mm512_load_ps(v), v1 = _mm512_load_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float d = ieee_div(amax, 127.f), s = amax > 0.f ? ieee_div(127.f, amax) : 0.f;
       const __m512 id = _mm512_set1_ps(s);
       const __m512i q0 = _mm512_cvtps_epi32(pinned(_mm512_mul_ps(v0, id)));  // nearest-even
       const __m512i q1 = _mm512_cvtps_epi32(pinned(_mm512_mul_ps(v1, id)));
@@ -3342,10 +3366,7 @@ void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, 
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
       dx[m * nb + b] = d;
       const int32_t h0 = _mm512_reduce_add_epi32(q0), h1 = _mm512_reduce_add_epi32(q1);
-#else  // the same steps on 8 lanes (a max is exact in any order; each product rounds once, then nearest-even)
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = ieee_div(amax, 127.f), s = amax > 0.f ? ieee_div(127.f, amax) : 0.f;
+#else  // the same steps on 8 lanes (each product rounds once, then nearest-even)
       const __m256 id = _mm256_set1_ps(s);
       alignas(32) int32_t qi[32];
       for (int i = 0; i < 32; i += 8)
