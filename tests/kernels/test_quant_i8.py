@@ -259,10 +259,10 @@ def test_i8_linear_of_non_finite_and_tiny_activations(kernels, qtype):
 
     # Scales of about 1 (and mins): dx * d, denormal, then keeps ~17 bits.
     rng = np.random.default_rng(37)
+    blocks = raw.reshape(n, -1, gguf.GGML_QUANT_SIZES[qtype][1])  # a view
     for off in HALVES[qtype]:
-        f16 = (rng.uniform(0.5, 2.0, raw.shape[0] * (k // 32)) * rng.choice([-1.0, 1.0], raw.shape[0] * (k // 32)))
-        blocks = raw.reshape(raw.shape[0], -1, gguf.GGML_QUANT_SIZES[qtype][1])
-        blocks[:, :, off:off + 2] = f16.astype(np.float16).view(np.uint8).reshape(raw.shape[0], -1, 2)[:, :blocks.shape[1]]
+        f16 = rng.uniform(0.5, 2.0, blocks.shape[:2]) * rng.choice([-1.0, 1.0], blocks.shape[:2])
+        blocks[:, :, off:off + 2] = f16.astype(np.float16).view(np.uint8).reshape(n, -1, 2)
     packed = kernels.quant_pack(torch.from_numpy(raw), int(qtype))
     w = dequantize(raw, qtype).double()
     tiny = torch.randn(4, k, generator=g).abs() + 0.5
