@@ -666,9 +666,14 @@ class LlamaForCausalLM(nn.Module):
         the tensors' byte ranges, so views of one storage count once and packed copies side by side in an
         arena chunk (kernels/huge_pages.py) count by what they take, not by the chunk's size."""
         spans: list[tuple[int, int]] = []
+        opaque = 0  # oneDNN's packed weights (MatmulRoutes.packed): no storage to take a pointer of
 
         def add(t: torch.Tensor | None) -> None:
+            nonlocal opaque
             if t is None or t.device.type == "meta" or t.numel() == 0:
+                return
+            if t.is_mkldnn:
+                opaque += t.numel() * t.element_size()
                 return
             # elements from the first to the last
             extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
@@ -687,7 +692,7 @@ class LlamaForCausalLM(nn.Module):
         for part in parts:
             for t in part.packed:
                 add(t)
-        total, end = 0, 0
+        total, end = opaque, 0
         for lo, hi in sorted(spans):
             if hi > end:
                 total += hi - max(lo, end)

@@ -156,3 +156,21 @@ def test_swiglu_is_one_call_on_the_float32_quant_route_and_none_elsewhere(kernel
     two.quant = [QuantPart(3, kernels.quant_pack(raw16, 3), 16), QuantPart(3, kernels.quant_pack(raw16, 3), 16)]
     two.setup(torch.empty(32, 64), kernels, pack=False, batch_hint=8)
     assert two.silu_and_mul(torch.randn(2, 64)) is None
+
+
+def test_an_engine_counts_the_onednn_packed_weights_it_holds():
+    """oneDNN's packed weights (the many-rows route of bf16 matmuls where the CPU has native bf16: every matmul under
+    the torch_ref backend) have no storage to take a pointer of: the engine counts their bytes instead of failing
+    at construction."""
+    if not onednn_packing_available():
+        pytest.skip("no oneDNN bf16 packing on this CPU")
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(attention_backend="torch_ref", dtype="bfloat16", num_kv_blocks=16)
+    model = llm.engine.runner.model
+    packed = [r.packed for r in model.matmul_routes() if r.packed is not None]
+    assert packed and all(t.is_mkldnn for t in packed)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    assert llm.engine.weight_bytes >= dense + sum(t.numel() * t.element_size() for t in packed)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
