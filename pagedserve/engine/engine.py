@@ -259,6 +259,11 @@ class LLMEngine:
         if request_id in self.parents:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self._check_params(params)
+        # The samples' own ids (an n > 1 request's "id#i") must not meet a live sample's: "x#0" beside a running
+        # "x" of n = 2 would share its state and break every later step.
+        sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if taken := next((rid for rid in sample_ids if rid in self.sample_to_parent), None):
+            raise ValueError(f"request_id: {request_id!r} collides with the running sample {taken!r}")
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1:
@@ -270,8 +275,7 @@ class LLMEngine:
         requests = []
         for i in range(params.n):
             sp = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            requests.append(Request(rid, ids, sp, self.eos_token_ids, max_tokens, now, request_id, i))
+            requests.append(Request(sample_ids[i], ids, sp, self.eos_token_ids, max_tokens, now, request_id, i))
         parent = ParentState(request_id, text, ids, [self.output_processor.new_sample(r) for r in requests],
                              RequestMetrics(arrival_time=now))
         grammar = None

@@ -76,3 +76,25 @@ def test_engine_checks_against_the_model_and_adds_all_or_nothing(llm_fp32):
                                                        stop_token_ids=[vocab - 1]))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_request_id_that_meets_a_running_samples_id_is_refused(llm_fp32):
+    """An n > 1 request's samples run as "id#0", "id#1", ...: a request named like one of them (either order) is
+    refused by name, and the engine goes on serving both the running request and new ones."""
+    engine = llm_fp32.engine
+    engine.add_request("x", "The capital of France is", SamplingParams(temperature=0, n=2, max_tokens=3))
+    with pytest.raises(ValueError, match="^request_id:.*'x#0'"):
+        engine.add_request("x#0", "Once upon a time", SamplingParams(temperature=0, max_tokens=3))
+    engine.add_request("y#1", "Once upon a time", SamplingParams(temperature=0, max_tokens=3))
+    with pytest.raises(ValueError, match="^request_id:.*'y#1'"):
+        engine.add_request("y", "hi", SamplingParams(temperature=0, n=2, max_tokens=3))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert sorted(finished) == ["x", "y#1"] and len(finished["x"].outputs) == 2
+    engine.add_request("x#0", "hi", SamplingParams(temperature=0, max_tokens=2))  # free again once x finished
+    while engine.has_unfinished_requests():
+        engine.step()
+
