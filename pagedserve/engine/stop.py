@@ -3,8 +3,9 @@
 After every sampled token, `check_stop` applies, in this order (as vLLM):
 1. EOS (unless ignore_eos) and the request's stop token ids, once min_tokens are out. EOS adds no text;
    a stop token id adds its text only with include_stop_str_in_output.
-2. stop strings, searched in the text as it grows (one split over several tokens is still caught); the
-   text is cut before the stop string (or after it, with include_stop_str_in_output).
+2. stop strings, searched in the text as it grows (one split over several tokens is still caught) once the
+   output is longer than min_tokens (vLLM's detokenizer: a stop string that ended before is not looked for
+   again); the text is cut before the stop string (or after it, with include_stop_str_in_output).
 3. max_tokens and max_model_len ("length"); a stop string completed by the last allowed token wins.
 
 While a request runs, the last len(longest stop string) - 1 characters are held back from what is
@@ -34,14 +35,15 @@ class OutputText:
         self.text = ""
         self.stop_string: str | None = None
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token's text; returns the stop string if the text now contains one (text is cut)."""
+    def add_token(self, token_id: int, find_stop: bool = True) -> str | None:
+        """Append one token's text; returns the stop string if the text now contains one (text is cut).
+        find_stop False: append only (min_tokens not yet out)."""
         piece = self.detok.decode(token_id)
         if not piece:
             return None
         start = max(0, len(self.text) - self.holdback)  # a stop string can only end in the new piece
         self.text += piece
-        if not self.stop:
+        if not self.stop or not find_stop:
             return None
         hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, start)) >= 0]
         if not hits:
@@ -74,7 +76,7 @@ def check_stop(req: Request, token: int, text: OutputText | None, max_model_len:
                 text.add_token(token)
             return RequestStatus.FINISHED_STOPPED
     if not is_eos and text is not None:  # the EOS token itself adds no text
-        stop_string = text.add_token(token)
+        stop_string = text.add_token(token, find_stop=req.num_output_tokens > p.min_tokens)
         if stop_string is not None:
             req.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED

@@ -291,6 +291,24 @@ def test_eos_stops_and_min_tokens_holds_it_back(llm):
     assert len(c.token_ids) == 6 and c.finish_reason == "length"
 
 
+def test_min_tokens_holds_back_stop_strings_too(llm):
+    """As vLLM's detokenizer: a stop string counts only once the output is longer than min_tokens, so the output
+    goes on past a stop string its first min_tokens tokens made, and stops at the first one a later token ends."""
+    tok = llm.engine.tokenizer
+    prompt = "The capital of France is"
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    texts = [tok.decode(ref[:k]) for k in range(len(ref) + 1)]
+    assert " " in texts[3]  # a stop string early in the output
+    c = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, min_tokens=10, stop=[" "],
+                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    n = len(c.token_ids)
+    assert n > 10 and c.finish_reason == "stop" and c.stop_reason == " "
+    assert list(c.token_ids) == list(ref[:n])
+    assert " " in texts[n][len(texts[n - 1]):] and all(" " not in texts[k][len(texts[k - 1]):] for k in range(11, n))
+    assert c.text == texts[n][: texts[n].index(" ", len(texts[n - 1]))]
+
+
 # ---- request lifecycle -----------------------------------------------------------------------------
 
 
