@@ -97,4 +97,3 @@ def test_a_request_id_that_meets_a_running_samples_id_is_refused(llm_fp32):
     engine.add_request("x#0", "hi", SamplingParams(temperature=0, max_tokens=2))  # free again once x finished
     while engine.has_unfinished_requests():
         engine.step()
-

@@ -43,12 +43,16 @@ def kernels(request):
 
 
 def quantize_x(x: torch.Tensor) -> torch.Tensor:
-    """Q(x) in float64: per 32-k block dx * round_half_even(x * (127 / amax)), in float32 arithmetic as defined."""
+    """Q(x) in float64: per 32-k block dx * round_half_even(x * (127 / amax)), in float32 arithmetic as defined, with
+    an unbounded exponent range: a block below 2^-100 is scaled by 2^64 before 127 / amax (exact: powers of two), so
+    that one below 127 / FLT_MAX still gets its quants (dx = amax / 127 as it is, perhaps denormal)."""
     xb = x.float().reshape(x.shape[0], -1, 32)
     amax = xb.abs().amax(-1, keepdim=True)
+    dx = amax / torch.full_like(amax, 127.0)
+    up = torch.where(amax < 2.0**-100, torch.full_like(amax, 2.0**64), torch.ones_like(amax))
+    xb, amax = xb * up, amax * up
     # torch's `127.0 / t` is 127 * (1 / t), two roundings: divide a tensor by a tensor for one.
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    dx = amax / torch.full_like(amax, 127.0)
     q = torch.round(xb * inv)
     assert q.abs().max() <= 127
     return (q.double() * dx.double()).reshape(x.shape)
@@ -216,21 +220,6 @@ def test_i8_linear_avx2_gives_the_vnni_bits(qtype):
         check(avx2, x, raw, qtype)  # and the definition
 
 
-def quantize_x_unbounded(x: torch.Tensor) -> torch.Tensor:
-    """quantize_x in float32 arithmetic with an unbounded exponent range: each block scaled by 2^64 before 127 / amax
-    (exact: powers of two), so that a block below 127 / FLT_MAX gets its quants (dx = amax / 127 as it is, perhaps
-    denormal)."""
-    xb = x.float().reshape(x.shape[0], -1, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    dx = amax / torch.full_like(amax, 127.0)
-    up = torch.where(amax < 2.0**-100, torch.full_like(amax, 2.0**64), torch.ones_like(amax))
-    xs, amaxs = xb * up, amax * up
-    inv = torch.where(amaxs > 0, torch.full_like(amaxs, 127.0) / amaxs, torch.zeros_like(amaxs))
-    q = torch.round(xs * inv)
-    assert q.abs().max() <= 127
-    return (q.double() * dx.double()).reshape(x.shape)
-
-
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_i8_linear_of_non_finite_and_tiny_activations(kernels, qtype):
     """A block of x holding a NaN or an infinity makes its row's outputs NaN (the engine then fails the request; the
@@ -272,8 +261,8 @@ def test_i8_linear_of_non_finite_and_tiny_activations(kernels, qtype):
     tiny[2, 256:] *= 1e-37
     tiny[3] = -tiny[0]
     y = kernels.quant_linear_i8(tiny, packed, int(qtype), n, None, torch.float32)
-    ref = quantize_x_unbounded(tiny) @ w.T
-    scale = quantize_x_unbounded(tiny).abs() @ w.abs().T
+    qx = quantize_x(tiny)
+    ref, scale = qx @ w.T, qx.abs() @ w.abs().T
     # dx is denormal here, and so are its products with the weights' scales: 1e-3 of the sum of magnitudes (the
     # quants overflowed before came out 60 times the result, of the wrong sign).
     assert torch.isfinite(y).all()

@@ -3325,15 +3325,6 @@ inline float ieee_div(float a, float b) {
 // kernels: q16 too). A block holding a NaN or an infinity gets quants 0 and dx NaN, so that its row's outputs are NaN
 // (the engine then fails that request) on every build; below 2^-100 the block is scaled by 2^64 first, exact, so
 // that 127 / amax cannot overflow (the quants are those of an unbounded exponent range; dx may be denormal).
-inline bool nonfinite_block(const float* v) {
-  bool bad = false;
-  for (int i = 0; i < 32; ++i) {
-    uint32_t b;
-    std::memcpy(&b, v + i, 4);
-    bad = bad || (b & 0x7FFFFFFFu) >= 0x7F800000u;
-  }
-  return bad;
-}
 template <typename SX>
 void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* sq,
                       int32_t* sq16, [[maybe_unused]] int16_t* q16) {
@@ -3342,15 +3333,21 @@ void quantize_rows_i8(const SX* x, int64_t xs, int64_t M, int64_t K, int8_t* q, 
     for (int64_t b = 0; b < nb; ++b) {
       alignas(64) float v[32];
       for (int i = 0; i < 32; ++i) v[i] = Elem<SX>::load(x[m * xs + b * 32 + i]);
-      if (nonfinite_block(v)) {
+      uint32_t top = 0;  // max |x| as float bits (a NaN or an infinity above every finite value), exact
+      for (int i = 0; i < 32; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, v + i, 4);
+        top = std::max(top, bits & 0x7FFFFFFFu);
+      }
+      if (top >= 0x7F800000u) {
         std::memset(q + m * K + b * 32, 0, 32);
         if (q16) std::memset(q16 + m * K + b * 32, 0, 32 * sizeof(int16_t));
         dx[m * nb + b] = std::numeric_limits<float>::quiet_NaN();
         sq16[(m * nb + b) * 2] = sq16[(m * nb + b) * 2 + 1] = sq[m * nb + b] = 0;
         continue;
       }
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));  // exact in any order
+      float amax;
+      std::memcpy(&amax, &top, 4);
       const float d = ieee_div(amax, 127.f);
       if (amax < 0x1p-100f) {
         for (int i = 0; i < 32; ++i) v[i] *= 0x1p64f;
